@@ -1,0 +1,29 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
+export HYPOTHESIS_STORAGE_DIRECTORY := $(CURDIR)/.cache/hypothesis
+
+.PHONY: install test test-all bench clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip >/dev/null
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+test: install
+	$(BIN)/python -m pytest
+
+test-all: install
+	$(BIN)/python -m pytest -m ''
+
+bench: install
+	$(BIN)/pip install -e '.[bench]'
+	$(BIN)/python -m ftitan.bench.step
+
+clean:
+	rm -rf $(VENV) .cache

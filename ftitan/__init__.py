@@ -1,0 +1,1 @@
+"""ftitan: a functional, JAX-style PyTorch platform for LLMs."""

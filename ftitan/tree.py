@@ -1,0 +1,248 @@
+"""Pytree helpers: one optree namespace for the whole project.
+
+Parameter trees are nested ``dict[str, Tensor | dict]``; their flattened
+paths are dotted names (``layers.3.attn.wq``) that map 1:1 onto checkpoint
+names. Every tree operation in ftitan goes through this module so that the
+namespace, the ``None`` convention and path formatting stay in one place.
+
+``None`` is an empty subtree (not a leaf), which is what ``partition`` uses to
+mark the leaves it did not select, as in equinox.
+
+Custom nodes are registered with :func:`register_node`, which registers them
+with optree (under :data:`NAMESPACE`) *and* with ``torch.utils._pytree``:
+``torch.func`` only sees the latter, and dynamo traces both.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+NAMESPACE = "ftitan"
+
+Tree = Any
+PathPredicate = Callable[[str, Any], bool]
+
+__all__ = [
+    "NAMESPACE",
+    "cast",
+    "combine",
+    "flatten",
+    "flatten_with_paths",
+    "global_norm",
+    "is_tensor",
+    "leaves",
+    "map",
+    "map_with_path",
+    "match",
+    "nbytes",
+    "partition",
+    "paths",
+    "register_node",
+    "size",
+    "structure",
+    "unflatten",
+    "zeros_like",
+]
+
+
+def is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def flatten(tree: Tree) -> tuple[list[Any], Any]:
+    """``(leaves, treedef)``; ``None`` counts as an empty subtree."""
+    return optree.tree_flatten(tree, namespace=NAMESPACE)
+
+
+def unflatten(treedef: Any, leaves: Iterable[Any]) -> Tree:
+    return optree.tree_unflatten(treedef, list(leaves))
+
+
+def leaves(tree: Tree) -> list[Any]:
+    return optree.tree_leaves(tree, namespace=NAMESPACE)
+
+
+def structure(tree: Tree) -> Any:
+    return optree.tree_structure(tree, namespace=NAMESPACE)
+
+
+def flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any], Any]:
+    """``(paths, leaves, treedef)`` with dotted paths such as ``layers.0.attn.wq``."""
+    raw, leaves_, treedef = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
+    return [_path_str(p) for p in raw], leaves_, treedef
+
+
+def paths(tree: Tree) -> list[str]:
+    return flatten_with_paths(tree)[0]
+
+
+def map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:  # noqa: A001 - mirrors jax.tree.map
+    """``fn`` applied leafwise over ``tree`` and trees of the same structure."""
+    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
+
+
+def map_with_path(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
+    """Like :func:`map` but ``fn(path, leaf, *others)`` also gets the dotted path."""
+    # flatten + unflatten rather than optree.tree_map_with_path: dynamo's
+    # polyfill of the latter calls fn on None subtrees
+    ps, ls, treedef = flatten_with_paths(tree)
+    others = [treedef.flatten_up_to(r) for r in rest]
+    return unflatten(treedef, [fn(p, *xs) for p, *xs in zip(ps, ls, *others, strict=True)])
+
+
+def _compile_pattern(pattern: str) -> re.Pattern[str]:
+    # glob over dotted paths: "*" stays within one component, "**" spans several
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append(r"[^.]*")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]) if pattern[i] != "?" else r"[^.]")
+            i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def match(path: str, pattern: str) -> bool:
+    """Whether a dotted path matches a glob: ``*`` is one component, ``**`` any number.
+
+    >>> match("layers.3.attn.wq", "layers.*.attn.w?")
+    True
+    >>> match("layers.3.attn.wq", "**.wq")
+    True
+    """
+    return _compile_pattern(pattern).match(path) is not None
+
+
+def _as_predicate(where: PathPredicate | str | Sequence[str]) -> PathPredicate:
+    if isinstance(where, str):
+        where = [where]
+    if isinstance(where, (list, tuple)):
+        compiled = [_compile_pattern(p) for p in where]
+        return lambda path, _leaf: any(c.match(path) for c in compiled)
+    if callable(where):
+        return where
+    raise TypeError(
+        f"where={where!r}: expected a predicate (path, leaf) -> bool, a glob pattern, "
+        "or a list of glob patterns"
+    )
+
+
+def partition(tree: Tree, where: PathPredicate | str | Sequence[str]) -> tuple[Tree, Tree]:
+    """Split ``tree`` into ``(selected, rest)``; unselected leaves become ``None``.
+
+    ``where`` is a predicate ``(path, leaf) -> bool`` or glob pattern(s) over
+    dotted paths. ``combine(selected, rest)`` gives ``tree`` back.
+
+    Use it at boundaries (around a compiled step, not inside it): dynamo's
+    optree polyfill cannot unflatten ``None`` placeholders. Inside compiled
+    code, select leaves by path into a flat ``{path: leaf}`` dict instead,
+    as ``ftitan.optim.multi_transform`` does.
+    """
+    pred = _as_predicate(where)
+    ps, ls, treedef = flatten_with_paths(tree)
+    keep = [bool(pred(p, x)) for p, x in zip(ps, ls, strict=True)]
+    selected = unflatten(treedef, [x if k else None for x, k in zip(ls, keep, strict=True)])
+    rest = unflatten(treedef, [None if k else x for x, k in zip(ls, keep, strict=True)])
+    return selected, rest
+
+
+def combine(*trees: Tree) -> Tree:
+    """Inverse of :func:`partition`: leafwise, the first non-``None`` value wins."""
+    if not trees:
+        raise ValueError("combine() needs at least one tree")
+
+    def first(*xs: Any) -> Any:
+        for x in xs:
+            if x is not None:
+                return x
+        return None
+
+    # None must be a leaf here so the trees line up position by position
+    return optree.tree_map(first, *trees, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def cast(tree: Tree, dtype: torch.dtype, *, where: PathPredicate | str | Sequence[str] | None = None) -> Tree:
+    """Floating-point tensors (optionally only those ``where`` selects) cast to ``dtype``."""
+    pred = _as_predicate(where) if where is not None else (lambda _p, _x: True)
+
+    def one(path: str, x: Any) -> Any:
+        if is_tensor(x) and x.is_floating_point() and pred(path, x):
+            return x.to(dtype)
+        return x
+
+    return map_with_path(one, tree)
+
+
+def size(tree: Tree) -> int:
+    """Total number of elements over tensor leaves (works on meta tensors)."""
+    return sum(x.numel() for x in leaves(tree) if is_tensor(x))
+
+
+def nbytes(tree: Tree) -> int:
+    """Total bytes over tensor leaves (works on meta tensors)."""
+    return sum(x.numel() * x.element_size() for x in leaves(tree) if is_tensor(x))
+
+
+def global_norm(tree: Tree) -> torch.Tensor:
+    """L2 norm over all tensor leaves, accumulated in float32 (float64 stays float64)."""
+    xs = [x for x in leaves(tree) if is_tensor(x)]
+    if not xs:
+        return torch.zeros(())
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+    sq = [torch.sum(torch.square(x.to(acc))) for x in xs]
+    return torch.sqrt(torch.stack(sq).sum())
+
+
+def zeros_like(tree: Tree, *, dtype: torch.dtype | None = None) -> Tree:
+    return map(lambda x: torch.zeros_like(x, dtype=dtype), tree)
+
+
+def register_node(
+    cls: type,
+    flatten_fn: Callable[[Any], tuple[Sequence[Any], Any]],
+    unflatten_fn: Callable[[Any, Sequence[Any]], Any],
+    *,
+    keys: Callable[[Any], Sequence[Any]] | None = None,
+) -> type:
+    """Register ``cls`` as a pytree node with optree (ftitan namespace) and torch.
+
+    ``flatten_fn(obj) -> (children, aux)``, ``unflatten_fn(aux, children) -> obj``;
+    ``keys(aux)`` names the children for paths (default: their index). Both
+    registries are needed: ``torch.func`` sees only ``torch.utils._pytree``,
+    dynamo handles either. Returns ``cls`` so it can be used as a decorator helper.
+    """
+
+    def optree_flatten(obj: Any) -> tuple[Sequence[Any], Any, Sequence[Any] | None]:
+        children, aux = flatten_fn(obj)
+        return children, aux, (keys(aux) if keys else None)
+
+    optree.register_pytree_node(cls, optree_flatten, unflatten_fn, namespace=NAMESPACE)
+
+    def torch_flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+        children, aux = flatten_fn(obj)
+        names = keys(aux) if keys else range(len(children))
+        return [(torch_pytree.MappingKey(k), c) for k, c in zip(names, children, strict=True)], aux
+
+    torch_pytree.register_pytree_node(
+        cls,
+        lambda obj: (list(flatten_fn(obj)[0]), flatten_fn(obj)[1]),
+        lambda children, aux: unflatten_fn(aux, children),
+        flatten_with_keys_fn=torch_flatten_with_keys,
+    )
+    return cls

@@ -1,0 +1,1 @@
+"""Kernels (Triton/Helion) with pure-torch references."""
