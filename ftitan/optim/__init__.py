@@ -1,0 +1,85 @@
+"""Optimizers as pure ``(init, update)`` transforms, optax-style.
+
+Build an optimizer by chaining small pieces; every named optimizer is such
+a chain::
+
+    import ftitan.optim as fo
+    opt = fo.chain(
+        fo.clip_by_global_norm(1.0),
+        fo.muon_with_adamw(params, lr=fo.warmup_cosine(3e-3, warmup=100, total=2_000)),
+    )
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = fo.apply_updates(params, updates)
+    fo.current_lr(state)  # the lr of that update, a 0-d tensor
+
+Updates are added to params (the lr scale is negative). Step counts and
+scheduled learning rates live in the state as 0-d tensors, so a compiled
+step (``torch.compile(fullgraph=True)``) does not recompile as they change.
+"""
+
+from ftitan.optim.adam import ScaleByAdamState, adamw, scale_by_adam
+from ftitan.optim.clipping import clip_by_global_norm
+from ftitan.optim.learning_rate import (
+    ScaleByLearningRateState,
+    current_lr,
+    learning_rates,
+    scale_by_learning_rate,
+)
+from ftitan.optim.multi_transform import Labels, MultiTransformState, multi_transform
+from ftitan.optim.muon import MuonState, ShapeScaling, muon, muon_shape_scale, scale_by_muon
+from ftitan.optim.muon_adamw import muon_label, muon_labels, muon_with_adamw
+from ftitan.optim.newton_schulz import newton_schulz
+from ftitan.optim.registry import MATRIX_ONLY, OPTIMIZERS
+from ftitan.optim.schedules import (
+    Schedule,
+    constant,
+    cosine_decay,
+    linear_warmup,
+    warmup_cosine,
+    warmup_stable_decay,
+)
+from ftitan.optim.sgd import TraceState, sgd, trace
+from ftitan.optim.transform import EmptyState, Transform, apply_updates, chain, identity, scale
+from ftitan.optim.weight_decay import add_decayed_weights
+
+__all__ = [
+    "MATRIX_ONLY",
+    "OPTIMIZERS",
+    "EmptyState",
+    "Labels",
+    "MultiTransformState",
+    "MuonState",
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
+    "Schedule",
+    "ShapeScaling",
+    "TraceState",
+    "Transform",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "cosine_decay",
+    "current_lr",
+    "identity",
+    "learning_rates",
+    "linear_warmup",
+    "multi_transform",
+    "muon",
+    "muon_label",
+    "muon_labels",
+    "muon_shape_scale",
+    "muon_with_adamw",
+    "newton_schulz",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_muon",
+    "sgd",
+    "trace",
+    "warmup_cosine",
+    "warmup_stable_decay",
+]

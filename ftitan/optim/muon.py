@@ -1,0 +1,154 @@
+"""Muon: momentum, then Newton-Schulz orthogonalization of each matrix update.
+
+Muon: Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
+networks" (https://kellerjordan.github.io/posts/muon/).
+Moonlight: Liu et al. 2025, "Muon is Scalable for LLM Training"
+(arXiv:2502.16982): decoupled weight decay and the ``match_rms_adamw``
+update scale that lets Muon reuse AdamW's learning rate and decay.
+
+The arithmetic follows torch.optim.Muon: ``B = lerp(B, g, 1 - mu)``;
+Nesterov input ``lerp(g, B, mu)``; ``O = NS(input)``;
+``p <- p * (1 - lr * wd) - lr * scale(shape) * O``. Tensors of shape
+(..., m, n) are batches of (m, n) matrices (stacked MoE experts (E, m, n)
+are E matrices), and all matrices of one shape, across leaves, are
+orthogonalized in a single batched Newton-Schulz call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+
+from ftitan import tree
+from ftitan.optim.learning_rate import scale_by_learning_rate
+from ftitan.optim.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
+from ftitan.optim.schedules import Schedule
+from ftitan.optim.transform import Params, Transform, Updates, accumulator_dtype, chain
+from ftitan.optim.weight_decay import add_decayed_weights
+
+__all__ = ["MuonState", "ShapeScaling", "muon", "muon_shape_scale", "scale_by_muon"]
+
+ShapeScaling = Literal["original", "match_rms_adamw"]
+
+
+class MuonState(NamedTuple):
+    momentum: Params  # momentum buffers, float32 (float64 for float64 params)
+
+
+def muon_shape_scale(rows: int, cols: int, shape_scaling: ShapeScaling = "original") -> float:
+    """Update scale of a (rows, cols) matrix: the factor torch.optim.Muon applies to its lr.
+
+    ``"original"`` (Jordan 2024): ``sqrt(max(1, rows / cols))``;
+    ``"match_rms_adamw"`` (Liu et al. 2025): ``0.2 * sqrt(max(rows, cols))``,
+    giving the update the RMS (~0.2) of a typical AdamW update.
+    """
+    if shape_scaling == "original":
+        return math.sqrt(max(1, rows / cols))
+    if shape_scaling == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"shape_scaling={shape_scaling!r}: expected 'original' or 'match_rms_adamw'")
+
+
+def scale_by_muon(
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    shape_scaling: ShapeScaling = "original",
+    *,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    eps: float = 1e-7,
+) -> Transform:
+    """Momentum then orthogonalization, scaled by :func:`muon_shape_scale`, as the update.
+
+    Every leaf must have ndim >= 2 (route vectors elsewhere with
+    :func:`ftitan.optim.multi_transform`, e.g. :func:`muon_with_adamw`).
+    Same-shape matrices, from any leaves, share one batched Newton-Schulz
+    call. Updates come back in the gradient dtype.
+    """
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"momentum={momentum!r}: expected a float in [0, 1)")
+    muon_shape_scale(1, 1, shape_scaling)  # validates shape_scaling now, not at the first step
+
+    def init(params: Params) -> MuonState:
+        def zeros(path: str, p: torch.Tensor) -> torch.Tensor:
+            if p.ndim < 2:
+                raise ValueError(
+                    f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(p.shape)}; "
+                    "route vectors to AdamW with multi_transform / muon_with_adamw"
+                )
+            return torch.zeros_like(p, dtype=accumulator_dtype(p))
+
+        return MuonState(momentum=tree.map_with_path(zeros, params))
+
+    def update(grads: Updates, state: MuonState, params: Params | None = None) -> tuple[Updates, MuonState]:
+        del params
+        paths, gs, treedef = tree.flatten_with_paths(grads)
+        bufs = tree.leaves(state.momentum)
+        new_bufs, inputs = [], []
+        for path, g, buf in zip(paths, gs, bufs, strict=True):
+            if g.ndim < 2:
+                raise ValueError(f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(g.shape)}")
+            g32 = g.to(buf.dtype)
+            buf = torch.lerp(buf, g32, 1.0 - momentum)
+            new_bufs.append(buf)
+            inputs.append(torch.lerp(g32, buf, momentum) if nesterov else buf)
+
+        # group leaves by matrix shape (static), orthogonalize each group in one call
+        groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
+        for i, x in enumerate(inputs):
+            groups.setdefault((x.shape[-2], x.shape[-1], x.dtype), []).append(i)
+        outputs: list[torch.Tensor | None] = [None] * len(inputs)
+        for (m, n, _), idx in groups.items():
+            stacked = [inputs[i].reshape(-1, m, n) for i in idx]
+            ortho = newton_schulz(
+                torch.cat(stacked) if len(stacked) > 1 else stacked[0],
+                steps=ns_steps,
+                coefficients=coefficients,
+                eps=eps,
+                dtype=ns_dtype,
+            )
+            pieces = torch.split(ortho, [s.shape[0] for s in stacked]) if len(stacked) > 1 else (ortho,)
+            factor = muon_shape_scale(m, n, shape_scaling)
+            for i, piece in zip(idx, pieces, strict=True):
+                # cast before scaling: scaling in bf16 would round a second time
+                outputs[i] = piece.reshape(gs[i].shape).to(gs[i].dtype) * factor
+        new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum), new_bufs))
+        return tree.unflatten(treedef, outputs), new_state
+
+    return Transform(init, update)
+
+
+def muon(
+    lr: float | Schedule,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    shape_scaling: ShapeScaling = "original",
+    *,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    eps: float = 1e-7,
+) -> Transform:
+    """Muon with decoupled weight decay, torch.optim.Muon's semantics (Jordan 2024; Liu 2025).
+
+    ``chain(scale_by_muon, add_decayed_weights, scale_by_learning_rate)``:
+    ``p <- p - lr * (scale * O + wd * p) = p * (1 - lr * wd) - lr * scale * O``.
+    For matrices only; see :func:`ftitan.optim.muon_with_adamw` for a model.
+    """
+    return chain(
+        scale_by_muon(
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            ns_dtype=ns_dtype,
+            shape_scaling=shape_scaling,
+            coefficients=coefficients,
+            eps=eps,
+        ),
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
