@@ -1,0 +1,265 @@
+"""Hugging Face checkpoints: name tables, import/export, ``save_hf``/``load_hf``.
+
+Each model family registers a :class:`Family`: its config class, HF
+``model_type``/architecture, config converters, and ``weights(cfg)``, a list
+of :class:`WeightMap` that ties every ftitan leaf path to one or more
+checkpoint tensors. A plain rename is ``WeightMap(path, (name,))``; a leaf
+that HF stores split (per-expert MoE weights, fused projections) gives
+``to_hf``/``from_hf`` functions that split and join. Everything else here is
+generic: name checks with clear errors, shape checks against the family's
+meta-initialized params, safetensors I/O and atomic writes.
+
+>>> from ftitan.models import llama, hf
+>>> cfg = llama.Config.debug()
+>>> state = hf.to_hf(params, cfg)                      # doctest: +SKIP
+>>> hf.save_hf(params, cfg, "out/")                    # doctest: +SKIP
+>>> cfg2, params2 = hf.load_hf("out/")                 # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import safetensors.torch
+import torch
+
+from ftitan import random, tree
+from ftitan.models.base import Model
+
+__all__ = [
+    "Family",
+    "WeightMap",
+    "config_from_hf",
+    "config_to_hf",
+    "family_of",
+    "from_hf",
+    "load_hf",
+    "per_layer",
+    "register_family",
+    "save_hf",
+    "to_hf",
+]
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+@attrs.frozen(kw_only=True)
+class WeightMap:
+    """One ftitan leaf and the checkpoint tensor(s) it corresponds to."""
+
+    path: str  # ftitan dotted leaf path, e.g. "layers.3.attn.wq"
+    # checkpoint name(s), e.g. ("model.layers.3.self_attn.q_proj.weight",)
+    names: tuple[str, ...] = attrs.field(converter=tuple)
+    # leaf -> one tensor per name (split); None: the leaf itself
+    to_hf: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None
+    # one tensor per name -> leaf (join); None: the single tensor itself
+    from_hf: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None
+
+
+def per_layer(n_layers: int, table: Mapping[str, str]) -> list[WeightMap]:
+    """Renames ``{path_template: name_template}`` with ``{i}`` expanded for each layer."""
+    return [
+        WeightMap(path=p.format(i=i), names=(n.format(i=i),)) for i in range(n_layers) for p, n in table.items()
+    ]
+
+
+@attrs.frozen(kw_only=True)
+class Family:
+    """What import/export needs to know about one model family."""
+
+    name: str  # ftitan module name, e.g. "llama"
+    config_type: type  # the family's Config class
+    model_type: str  # HF config.json "model_type"
+    model: Callable[[Any], Model]  # cfg -> Model
+    weights: Callable[[Any], list[WeightMap]]  # cfg -> name table covering every param leaf
+    config_to_hf: Callable[[Any], dict[str, Any]]  # cfg -> HF config.json dict (with model_type, architectures)
+    config_from_hf: Callable[[Mapping[str, Any]], Any]  # HF config dict -> cfg
+    ignored: Callable[[Any], tuple[str, ...]] = lambda _cfg: ()  # checkpoint name globs skipped on import
+
+
+_BY_CONFIG: dict[type, Family] = {}
+_BY_MODEL_TYPE: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Make a family known to ``to_hf``/``from_hf``/``load_hf`` (by config class and model_type)."""
+    _BY_CONFIG[family.config_type] = family
+    _BY_MODEL_TYPE[family.model_type] = family
+    return family
+
+
+def family_of(cfg_or_model_type: Any) -> Family:
+    """The registered family of a config instance, or of an HF ``model_type`` string."""
+    if isinstance(cfg_or_model_type, str):
+        fam = _BY_MODEL_TYPE.get(cfg_or_model_type)
+        known = sorted(_BY_MODEL_TYPE)
+    else:
+        fam = _BY_CONFIG.get(type(cfg_or_model_type))
+        known = sorted(t.__module__ + "." + t.__qualname__ for t in _BY_CONFIG)
+    if fam is None:
+        raise ValueError(f"no HF family registered for {cfg_or_model_type!r}; known: {known}")
+    return fam
+
+
+def config_to_hf(cfg: Any) -> dict[str, Any]:
+    """HF ``config.json`` contents for a ftitan config."""
+    return family_of(cfg).config_to_hf(cfg)
+
+
+def config_from_hf(hf_config: Mapping[str, Any]) -> Any:
+    """A ftitan config from an HF ``config.json`` dict (family chosen by ``model_type``)."""
+    if "model_type" not in hf_config:
+        raise ValueError("HF config has no 'model_type'; cannot tell which model family it is")
+    return family_of(hf_config["model_type"]).config_from_hf(hf_config)
+
+
+def _glob_match(name: str, patterns: Sequence[str]) -> bool:
+    return any(tree.match(name, p) for p in patterns)
+
+
+def _listing(names: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _table(family: Family, cfg: Any, param_paths: Sequence[str]) -> list[WeightMap]:
+    maps = family.weights(cfg)
+    covered = [m.path for m in maps]
+    missing = sorted(set(param_paths) - set(covered))
+    extra = sorted(set(covered) - set(param_paths))
+    if missing or extra or len(covered) != len(set(covered)):
+        raise ValueError(
+            f"{family.name} HF name table does not match the params: no entry for [{_listing(missing)}], "
+            f"entries for unknown leaves [{_listing(extra)}]; fix {family.name}'s weights(cfg)"
+        )
+    return maps
+
+
+def to_hf(params: tree.Tree, cfg: Any) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors (HF names) for a params tree; tied weights appear once."""
+    family = family_of(cfg)
+    paths, leaves, _ = tree.flatten_with_paths(params)
+    flat = dict(zip(paths, leaves, strict=True))
+    out: dict[str, torch.Tensor] = {}
+    for m in _table(family, cfg, paths):
+        tensors = tuple(m.to_hf(flat[m.path])) if m.to_hf else (flat[m.path],)
+        if len(tensors) != len(m.names):
+            raise ValueError(f"{m.path}: to_hf gave {len(tensors)} tensors for {len(m.names)} names {m.names}")
+        out.update(zip(m.names, tensors, strict=True))
+    return out
+
+
+def from_hf(
+    state_dict: Mapping[str, torch.Tensor],
+    cfg: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tree.Tree:
+    """A params tree from HF-named tensors; errors name every missing, unexpected or misshapen tensor.
+
+    ``dtype``/``device`` (default: as stored) convert floating-point leaves.
+    """
+    family = family_of(cfg)
+    expected = family.model(cfg).init(random.key(0), device="meta")
+    paths, meta_leaves, treedef = tree.flatten_with_paths(expected)
+    maps = _table(family, cfg, paths)
+    known = {n for m in maps for n in m.names}
+    ignored = family.ignored(cfg)
+    missing = [n for m in maps for n in m.names if n not in state_dict]
+    unexpected = sorted(n for n in state_dict if n not in known and not _glob_match(n, ignored))
+    if missing or unexpected:
+        raise KeyError(
+            f"checkpoint does not match {family.name} config: missing [{_listing(missing)}]; "
+            f"unexpected [{_listing(unexpected)}]. Is it the same architecture "
+            f"(n_layers, tie_embeddings) as the config?"
+        )
+    by_path = {}
+    for m in maps:
+        tensors = tuple(state_dict[n] for n in m.names)
+        by_path[m.path] = m.from_hf(tensors) if m.from_hf else tensors[0]
+    leaves = []
+    for path, meta in zip(paths, meta_leaves, strict=True):
+        x = by_path[path]
+        if tuple(x.shape) != tuple(meta.shape):
+            names = next(m.names for m in maps if m.path == path)
+            raise ValueError(
+                f"{path} (from {', '.join(names)}): checkpoint shape {tuple(x.shape)}, "
+                f"config expects {tuple(meta.shape)}"
+            )
+        leaves.append(x.to(dtype=dtype if x.is_floating_point() else None, device=device))
+    return tree.unflatten(treedef, leaves)
+
+
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    # a unique hidden name in the same directory (same filesystem, so the rename is atomic);
+    # created by `write` itself so the file gets the usual permissions, not mkstemp's 0600
+    tmp = str(path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"))
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _dtype_name(params: tree.Tree) -> str | None:
+    floats = [x for x in tree.leaves(params) if tree.is_tensor(x) and x.is_floating_point()]
+    return str(floats[0].dtype).removeprefix("torch.") if floats else None
+
+
+def save_hf(params: tree.Tree, cfg: Any, directory: str | os.PathLike[str]) -> Path:
+    """Write ``model.safetensors`` and ``config.json`` loadable by ``transformers.from_pretrained``.
+
+    Each file is written to a temporary name and renamed into place; the
+    config is written last, so a directory with a config has its weights.
+    """
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {n: t.detach().to("cpu").contiguous() for n, t in to_hf(params, cfg).items()}
+    if any(t.device.type == "meta" for t in state.values()):
+        raise ValueError("save_hf: params are on the meta device (shapes only); initialize or load them first")
+    hf_config = dict(config_to_hf(cfg))
+    if (dtype := _dtype_name(params)) is not None:
+        hf_config["dtype"] = dtype
+    _atomic_write(out / WEIGHTS_FILE, lambda p: safetensors.torch.save_file(state, p, metadata={"format": "pt"}))
+    config_text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
+    _atomic_write(out / CONFIG_FILE, lambda p: Path(p).write_text(config_text))
+    return out
+
+
+def _read_weights(directory: Path, device: torch.device | str | None) -> dict[str, torch.Tensor]:
+    dev = str(device) if device is not None else "cpu"
+    single, index = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX_FILE
+    if single.exists():
+        return safetensors.torch.load_file(single, device=dev)
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(safetensors.torch.load_file(directory / shard, device=dev))
+        return state
+    raise FileNotFoundError(f"{directory}: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} found")
+
+
+def load_hf(
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Any, tree.Tree]:
+    """``(cfg, params)`` from an HF model directory (``config.json`` + safetensors, single or sharded)."""
+    d = Path(directory)
+    config_path = d / CONFIG_FILE
+    if not config_path.exists():
+        raise FileNotFoundError(f"{d}: no {CONFIG_FILE}; is this an HF model directory?")
+    cfg = config_from_hf(json.loads(config_path.read_text()))
+    return cfg, from_hf(_read_weights(d, device), cfg, dtype=dtype, device=device)

@@ -1,0 +1,395 @@
+"""Llama 3 (Meta 2024, "The Llama 3 Herd of Models") as pure functions.
+
+Pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``,
+GQA attention with RoPE (HF rotate-half layout, Llama 3.1 frequency
+scaling), untied or tied output head. Logits match
+``transformers.LlamaForCausalLM`` to float32 rounding, and HF checkpoints
+load by renaming only (see ``hf_weights``).
+
+>>> import torch, ftitan as ft
+>>> from ftitan.models import llama
+>>> m = llama.model(llama.Config.debug())
+>>> params = m.init(ft.random.key(0))
+>>> logits, _ = m.apply(params, torch.zeros(2, 16, dtype=torch.long))
+>>> logits.shape
+torch.Size([2, 16, 2048])
+
+Params tree::
+
+    {"embed": (V, D),
+     "layers": {"0": {"attn_norm": (D,),
+                      "attn": {"wq": (H*Dh, D), "wk": (KV*Dh, D), "wv": (KV*Dh, D), "wo": (D, H*Dh)},
+                      "mlp_norm": (D,),
+                      "mlp": {"w1": (F, D), "w2": (D, F), "w3": (F, D)}},
+                "1": ...},
+     "norm": (D,),
+     "head": (V, D)}            # absent when tie_embeddings
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from ftitan import nn, tree
+from ftitan.models import hf
+from ftitan.models.base import Model
+from ftitan.nn.attention import IMPLS, AttentionImpl
+from ftitan.nn.rope import Llama3RopeScaling
+
+__all__ = [
+    "FLAVORS",
+    "Config",
+    "Llama3RopeScaling",
+    "config_from_hf",
+    "config_to_hf",
+    "flops_per_token",
+    "hf_weights",
+    "model",
+    "param_specs",
+]
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """Llama 3 architecture. Published sizes: ``Config.llama3_1_8b()`` etc., see ``FLAVORS``."""
+
+    vocab_size: int  # V: rows of the embedding / output head
+    dim: int  # D: model (residual stream) width
+    n_layers: int  # L: decoder blocks
+    n_heads: int  # H: query heads; head_dim = dim // n_heads
+    n_kv_heads: int  # KV: key/value heads (GQA); n_heads % n_kv_heads == 0
+    ffn_dim: int  # F: SwiGLU hidden width (explicit, not derived from a multiplier)
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 500_000.0  # RoPE base
+    rope_scaling: Llama3RopeScaling | None = None  # Llama 3.1 long-context frequency scaling, or None
+    max_seq_len: int = 8192  # longest sequence the model is meant for (HF max_position_embeddings)
+    tie_embeddings: bool = False  # output head reuses the embedding table (Llama 3.2 1B/3B)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+    init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"llama.Config.{name}={value!r}: must be a positive int")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"llama.Config: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                f"head_dim = dim // n_heads must be exact"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"llama.Config: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; "
+                f"each kv head must serve a whole group of query heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"llama.Config: head_dim={self.head_dim} (dim // n_heads) must be even for RoPE")
+        if self.attn_impl not in IMPLS:
+            raise ValueError(f"llama.Config.attn_impl={self.attn_impl!r}: expected one of {IMPLS}")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"llama.Config.{name}={getattr(self, name)!r}: must be > 0")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(
+                f"llama.Config.rope_scaling={self.rope_scaling!r}: expected None or nn.Llama3RopeScaling"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def debug(cls) -> Config:
+        """Tiny model that trains on 2 CPU cores (head_dim 32, which vLLM also supports)."""
+        return cls(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=768, max_seq_len=2048)
+
+    # Published hyperparameters: Meta's params.json / HF config.json of each checkpoint.
+    @classmethod
+    def llama3_2_1b(cls) -> Config:
+        """Llama 3.2 1B: 1,235,814,400 params, tied embeddings."""
+        return cls(
+            vocab_size=128_256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+            rope_scaling=Llama3RopeScaling(factor=32.0), max_seq_len=131_072, tie_embeddings=True,
+        )  # fmt: skip
+
+    @classmethod
+    def llama3_2_3b(cls) -> Config:
+        """Llama 3.2 3B: 3,212,749,824 params, tied embeddings."""
+        return cls(
+            vocab_size=128_256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192,
+            rope_scaling=Llama3RopeScaling(factor=32.0), max_seq_len=131_072, tie_embeddings=True,
+        )  # fmt: skip
+
+    @classmethod
+    def llama3_1_8b(cls) -> Config:
+        """Llama 3.1 8B: 8,030,261,248 params."""
+        return cls(
+            vocab_size=128_256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14_336,
+            rope_scaling=Llama3RopeScaling(factor=8.0), max_seq_len=131_072,
+        )  # fmt: skip
+
+    @classmethod
+    def llama3_1_70b(cls) -> Config:
+        """Llama 3.1 70B: 70,553,706,496 params."""
+        return cls(
+            vocab_size=128_256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28_672,
+            rope_scaling=Llama3RopeScaling(factor=8.0), max_seq_len=131_072,
+        )  # fmt: skip
+
+    @classmethod
+    def llama3_1_405b(cls) -> Config:
+        """Llama 3.1 405B: 405,853,388,800 params."""
+        return cls(
+            vocab_size=128_256, dim=16_384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53_248,
+            rope_scaling=Llama3RopeScaling(factor=8.0), max_seq_len=131_072,
+        )  # fmt: skip
+
+
+FLAVORS = {
+    "debug": Config.debug,
+    "llama3_2_1b": Config.llama3_2_1b,
+    "llama3_2_3b": Config.llama3_2_3b,
+    "llama3_1_8b": Config.llama3_1_8b,
+    "llama3_1_70b": Config.llama3_1_70b,
+    "llama3_1_405b": Config.llama3_1_405b,
+}
+
+
+def param_specs(cfg: Config) -> dict[str, Any]:
+    """Tree of ``nn.Param`` specs (shape, logical axes, init) shaped like the params."""
+    d, f, q_dim, kv_dim = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.n_layers)  # residual-branch outputs (GPT-2 style depth scaling)
+
+    def layer() -> dict[str, Any]:
+        return {
+            "attn_norm": nn.norm_param(d),
+            "attn": {
+                "wq": nn.linear_param(d, q_dim, axes=("heads", "embed"), std=std),
+                "wk": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
+                "wv": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
+                "wo": nn.linear_param(q_dim, d, axes=("embed", "heads"), std=out_std),
+            },
+            "mlp_norm": nn.norm_param(d),
+            "mlp": nn.swiglu_params(d, f, std=std, out_std=out_std),
+        }
+
+    specs: dict[str, Any] = {
+        "embed": nn.embed_param(cfg.vocab_size, d, std=std),
+        "layers": {str(i): layer() for i in range(cfg.n_layers)},
+        "norm": nn.norm_param(d),
+    }
+    if not cfg.tie_embeddings:
+        specs["head"] = nn.linear_param(d, cfg.vocab_size, axes=("vocab", "embed"), std=std)
+    return specs
+
+
+def flops_per_token(cfg: Config, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+    ``6 * N + 6 * L * T * H * Dh`` where N counts the weights used in
+    matmuls: every attention and MLP projection and the output head (the
+    embedding table when tied), not the embedding lookup or norms. A weight
+    costs 2 FLOPs per token forward and 4 backward. Attention scores and
+    values take 2 * 2 * T * Dh FLOPs per head and token forward, times 3 for
+    forward + backward = 12 * L * T * H * Dh, halved for the causal mask
+    (PaLM's formula counts the full 12).
+    """
+    d, dh = cfg.dim, cfg.head_dim
+    attn = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh
+    mlp = 3 * d * cfg.ffn_dim
+    matmul = cfg.n_layers * (attn + mlp) + cfg.vocab_size * d
+    return float(6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * dh)
+
+
+def _attention_block(
+    cfg: Config,
+    p: Mapping[str, torch.Tensor],
+    x: torch.Tensor,  # (B, T, D) normed
+    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
+    sin: torch.Tensor,
+) -> torch.Tensor:  # (B, T, D)
+    b, t, _ = x.shape
+    q = nn.linear(x, p["wq"]).view(b, t, cfg.n_heads, cfg.head_dim)
+    k = nn.linear(x, p["wk"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = nn.linear(x, p["wv"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+    # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
+    o = nn.attention(q, k, v, impl=cfg.attn_impl, causal=True)
+    return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
+
+
+def _head(cfg: Config, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
+    return params["embed"] if cfg.tie_embeddings else params["head"]
+
+
+def _apply(
+    cfg: Config,
+    params: Mapping[str, Any],
+    tokens: torch.Tensor,  # (B, T) int
+    *,
+    positions: torch.Tensor | None = None,  # (T,) | (B, T) int
+    cache: Any = None,
+    logits: bool = True,
+) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
+    if cache is not None:
+        raise NotImplementedError("llama.apply: KV cache is not implemented yet; pass cache=None")
+    if tokens.dim() != 2:
+        raise ValueError(f"llama.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    inv_freq = nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device=tokens.device)
+    cos, sin = nn.rope_cos_sin(positions, inv_freq)
+    h = nn.embed(tokens, params["embed"])
+    # explicit order 0..L-1: dict/optree order would put "10" before "2"
+    for i in range(cfg.n_layers):
+        p = params["layers"][str(i)]
+        h = h + _attention_block(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
+        h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
+    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
+    return (nn.linear(h, _head(cfg, params)) if logits else h), cache
+
+
+def model(cfg: Config) -> Model:
+    """The Llama 3 ``Model`` for ``cfg``: pure ``init``/``apply`` closed over the config."""
+    specs = param_specs(cfg)
+
+    def init(
+        key: torch.Tensor, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> tree.Tree:
+        return nn.init(specs, key, dtype=dtype, device=device)
+
+    return Model(
+        config=cfg,
+        init=init,
+        apply=functools.partial(_apply, cfg),
+        head=functools.partial(_head, cfg),
+        param_axes=nn.axes(specs),
+        flops_per_token=functools.partial(flops_per_token, cfg),
+    )
+
+
+# ---------------------------------------------------------------- HF checkpoints
+
+_HF_LAYER = {
+    "layers.{i}.attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attn.wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attn.wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attn.wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.w1": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.w2": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.mlp.w3": "model.layers.{i}.mlp.up_proj.weight",
+}
+
+
+def hf_weights(cfg: Config) -> list[hf.WeightMap]:
+    """ftitan path <-> HF ``LlamaForCausalLM`` name, one rename per leaf."""
+    maps = [
+        hf.WeightMap(path="embed", names=("model.embed_tokens.weight",)),
+        hf.WeightMap(path="norm", names=("model.norm.weight",)),
+        *hf.per_layer(cfg.n_layers, _HF_LAYER),
+    ]
+    if not cfg.tie_embeddings:
+        maps.append(hf.WeightMap(path="head", names=("lm_head.weight",)))
+    return maps
+
+
+def _hf_ignored(cfg: Config) -> tuple[str, ...]:
+    # old exports carry rotary buffers; tied exports sometimes still carry the head (HF ignores it too)
+    return ("**.rotary_emb.inv_freq", *(("lm_head.weight",) if cfg.tie_embeddings else ()))
+
+
+def config_to_hf(cfg: Config) -> dict[str, Any]:
+    """``LlamaConfig`` fields (transformers 5 ``rope_parameters`` format)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    if cfg.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": float(cfg.rope_theta), **attrs.asdict(cfg.rope_scaling)}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+    }
+
+
+def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    # transformers 5 writes rope_parameters; 4.x (and Meta's HF exports) rope_theta + rope_scaling
+    rp = dict(d.get("rope_parameters") or {})
+    legacy = dict(d.get("rope_scaling") or {})
+    theta = float(rp.get("rope_theta", d.get("rope_theta", 10_000.0)))
+    params = rp if rp.get("rope_type", rp.get("type", "default")) != "default" else legacy
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"llama: HF rope type {kind!r} is not supported (only 'default' and 'llama3')")
+    fields = [f.name for f in attrs.fields(Llama3RopeScaling)]
+    return theta, Llama3RopeScaling(**{k: params[k] for k in fields if k in params})
+
+
+def config_from_hf(d: Mapping[str, Any]) -> Config:
+    """A ``Config`` from an HF ``LlamaConfig`` dict; refuses features this model does not have."""
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if absent := [k for k in required if k not in d]:
+        raise ValueError(f"llama: HF config lacks {absent}")
+    unsupported = {
+        "attention_bias": (d.get("attention_bias", False), False),
+        "mlp_bias": (d.get("mlp_bias", False), False),
+        "hidden_act": (d.get("hidden_act", "silu"), "silu"),
+        "head_dim": (d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+                     d["hidden_size"] // d["num_attention_heads"]),
+    }  # fmt: skip
+    for key, (got, want) in unsupported.items():
+        if got != want:
+            raise ValueError(f"llama: HF config {key}={got!r} is not supported by ftitan's Llama (needs {want!r})")
+    theta, scaling = _rope_from_hf(d)
+    return Config(
+        vocab_size=d["vocab_size"],
+        dim=d["hidden_size"],
+        n_layers=d["num_hidden_layers"],
+        n_heads=d["num_attention_heads"],
+        n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        ffn_dim=d["intermediate_size"],
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_seq_len=d.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        init_std=float(d.get("initializer_range", 0.02)),
+    )
+
+
+hf.register_family(
+    hf.Family(
+        name="llama",
+        config_type=Config,
+        model_type="llama",
+        model=model,
+        weights=hf_weights,
+        config_to_hf=config_to_hf,
+        config_from_hf=config_from_hf,
+        ignored=_hf_ignored,
+    )
+)

@@ -1,0 +1,91 @@
+"""Scaled dot-product attention with grouped-query heads (GQA, Ainslie et al. 2023).
+
+Two implementations that agree to float32 rounding:
+
+- ``"sdpa"``: ``F.scaled_dot_product_attention`` (fused kernels where the
+  backend has them; ``enable_gqa`` so K/V are never repeated in memory).
+- ``"math"``: explicit ``softmax(q k^T * scale) v`` with the softmax in
+  float32. It is plain tensor algebra, so it works wherever SDPA has no rule
+  (DTensor on CPU, exotic transforms) and it is the readable reference.
+
+Queries may be fewer than keys (decoding against a KV cache): the causal mask
+is then aligned bottom-right, i.e. query ``t`` sits at key position
+``t + S - T`` and sees keys ``0 .. t + S - T``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionImpl", "attention", "causal_mask"]
+
+AttentionImpl = Literal["sdpa", "math"]
+IMPLS: tuple[str, ...] = ("sdpa", "math")
+
+
+def causal_mask(t: int, s: int, *, device: torch.device | str | None = None) -> torch.Tensor:  # (T, S) bool
+    """True where query ``i`` (of the last ``t`` of ``s`` positions) may see key ``j``."""
+    q_pos = torch.arange(t, device=device)[:, None] + (s - t)
+    return torch.arange(s, device=device)[None, :] <= q_pos
+
+
+def attention(
+    q: torch.Tensor,  # (B, T, H, Dh)
+    k: torch.Tensor,  # (B, S, KV, Dh)
+    v: torch.Tensor,  # (B, S, KV, Dh)
+    *,
+    impl: AttentionImpl = "sdpa",
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:  # (B, T, H, Dh)
+    """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
+
+    Query head ``h`` reads key/value head ``h // (H // KV)``, as HF's
+    ``repeat_kv``. ``scale`` defaults to ``Dh ** -0.5``.
+    """
+    b, t, h, dh = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != dh:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not line up")
+    if h % kv:
+        raise ValueError(f"attention: {h} query heads are not a multiple of {kv} key/value heads")
+    if causal and t > s:
+        raise ValueError(f"attention: causal with more queries ({t}) than keys ({s})")
+    scale = dh**-0.5 if scale is None else scale
+    if impl == "sdpa":
+        return _sdpa(q, k, v, causal=causal, scale=scale)
+    if impl == "math":
+        return _math(q, k, v, causal=causal, scale=scale)
+    raise ValueError(f"attention: impl={impl!r}; expected one of {IMPLS}")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    t, s = q.shape[1], k.shape[1]
+    # SDPA's is_causal aligns top-left; when T != S pass the bottom-right mask explicitly
+    mask = causal_mask(t, s, device=q.device) if causal and t != s else None
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        is_causal=causal and t == s,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+    b, t, h, dh = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    # group query heads by the kv head they read, instead of repeating K/V
+    qg = q.reshape(b, t, kv, h // kv, dh)
+    scores = torch.einsum("btkgd,bskd->bkgts", qg, k).to(torch.float32) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, dh)

@@ -1,0 +1,56 @@
+"""Linear projection with the weight stored ``(out, in)`` as in ``torch.nn.Linear``.
+
+Storing the weight the way torch and HF checkpoints do means checkpoint
+import/export is a rename, never a transpose.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ftitan.nn.param import Param, init, truncated_normal_init, zeros_init
+
+__all__ = ["bias_param", "init_linear", "linear", "linear_param"]
+
+
+def linear(
+    x: torch.Tensor,  # (..., in)
+    w: torch.Tensor,  # (out, in)
+    b: torch.Tensor | None = None,  # (out,)
+) -> torch.Tensor:  # (..., out)
+    """``x @ w.T + b``."""
+    return F.linear(x, w, b)
+
+
+def linear_param(
+    in_dim: int,
+    out_dim: int,
+    *,
+    axes: tuple[str | None, str | None],
+    std: float = 0.02,
+) -> Param:
+    """Spec of a ``(out_dim, in_dim)`` weight; ``axes`` names (out, in) logically.
+
+    Init: normal with ``std`` truncated to 3 std (TorchTitan's choice).
+    """
+    return Param(shape=(out_dim, in_dim), axes=axes, init=truncated_normal_init(std))
+
+
+def bias_param(out_dim: int, *, axis: str | None) -> Param:
+    """Spec of a zero-initialized ``(out_dim,)`` bias."""
+    return Param(shape=(out_dim,), axes=(axis,), init=zeros_init)
+
+
+def init_linear(
+    key: torch.Tensor,
+    in_dim: int,
+    out_dim: int,
+    *,
+    axes: tuple[str | None, str | None] = (None, None),
+    std: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # (out_dim, in_dim)
+    """A weight drawn from ``key`` directly (models use specs + ``nn.init`` instead)."""
+    return init(linear_param(in_dim, out_dim, axes=axes, std=std), key, dtype=dtype, device=device)

@@ -1,0 +1,50 @@
+"""SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer").
+
+``w2(silu(w1 x) * w3 x)`` with ``w1`` the gate, ``w3`` the up and ``w2`` the
+down projection (Meta's Llama names; HF: gate_proj, up_proj, down_proj).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftitan.nn.linear import linear, linear_param
+from ftitan.nn.param import Param, init
+
+__all__ = ["init_swiglu", "swiglu", "swiglu_params"]
+
+
+def swiglu(
+    x: torch.Tensor,  # (..., D)
+    w1: torch.Tensor,  # (F, D) gate
+    w2: torch.Tensor,  # (D, F) down
+    w3: torch.Tensor,  # (F, D) up
+) -> torch.Tensor:  # (..., D)
+    gate = linear(x, w1)
+    # silu written out: F.silu's fused backward kernel differs from the
+    # decomposition torch.func uses by an ulp, and the train step promises
+    # identical gradients on its torch.func and autograd paths
+    return linear(gate * torch.sigmoid(gate) * linear(x, w3), w2)
+
+
+def swiglu_params(dim: int, hidden_dim: int, *, std: float = 0.02, out_std: float | None = None) -> dict[str, Param]:
+    """Specs ``{"w1", "w2", "w3"}``; ``out_std`` (default ``std``) is for the down projection ``w2``."""
+    return {
+        "w1": linear_param(dim, hidden_dim, axes=("mlp", "embed"), std=std),
+        "w2": linear_param(hidden_dim, dim, axes=("embed", "mlp"), std=std if out_std is None else out_std),
+        "w3": linear_param(dim, hidden_dim, axes=("mlp", "embed"), std=std),
+    }
+
+
+def init_swiglu(
+    key: torch.Tensor,
+    dim: int,
+    hidden_dim: int,
+    *,
+    std: float = 0.02,
+    out_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """``{"w1", "w2", "w3"}``, leaf ``name`` drawn from ``fold_in(key, name)``."""
+    return init(swiglu_params(dim, hidden_dim, std=std, out_std=out_std), key, dtype=dtype, device=device)

@@ -1,0 +1,43 @@
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as HF Llama does."""
+
+from __future__ import annotations
+
+import torch
+
+from ftitan.nn.param import Param, init, ones_init
+
+__all__ = ["NORM_AXES", "init_norm", "norm_param", "rms_norm"]
+
+NORM_AXES = ("norm",)
+
+
+def rms_norm(
+    x: torch.Tensor,  # (..., D)
+    w: torch.Tensor,  # (D,)
+    eps: float,
+) -> torch.Tensor:  # (..., D), dtype of x
+    """``w * x / sqrt(mean(x^2) + eps)``.
+
+    The statistics are taken in float32 and the normalized value is cast back
+    to ``x.dtype`` before the scale, exactly as ``LlamaRMSNorm``. The scale is
+    cast to ``x.dtype`` too, so float32 master weights with bfloat16
+    activations keep the activations bfloat16 (HF would promote to float32).
+    """
+    xf = x.to(torch.float32)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w.to(x.dtype) * normed.to(x.dtype)
+
+
+def norm_param(dim: int) -> Param:
+    """Spec of a ``(dim,)`` scale initialized to ones."""
+    return Param(shape=(dim,), axes=NORM_AXES, init=ones_init)
+
+
+def init_norm(
+    key: torch.Tensor,
+    dim: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # (D,)
+    return init(norm_param(dim), key, dtype=dtype, device=device)

@@ -1,0 +1,128 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer) with Llama 3 frequency scaling.
+
+Layout is HF's "rotate half": a head vector's first half and second half
+form the rotated pairs, and ``cos``/``sin`` repeat the frequencies twice
+(``cat(freqs, freqs)``). HF Llama checkpoints already store ``wq``/``wk`` in
+this layout, so they load without permutation. (Meta's original checkpoints
+use interleaved pairs and need HF's conversion permutation.)
+
+Llama 3.1 scaling (Meta 2024, "The Llama 3 Herd of Models"): wavelengths
+longer than ``original_max_position_embeddings / low_freq_factor`` are
+divided by ``factor``, shorter than ``.../ high_freq_factor`` kept, and the
+band in between interpolated smoothly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+
+__all__ = ["Llama3RopeScaling", "apply_rope", "rope_cos_sin", "rope_frequencies", "rope_inv_freq"]
+
+
+@attrs.frozen(kw_only=True)
+class Llama3RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (HF ``rope_type="llama3"``)."""
+
+    factor: float = 8.0  # long wavelengths are divided by this (8 for Llama 3.1, 32 for 3.2 1B/3B)
+    low_freq_factor: float = 1.0  # wavelengths above original_max / low_freq_factor are fully scaled
+    high_freq_factor: float = 4.0  # wavelengths below original_max / high_freq_factor are kept
+    original_max_position_embeddings: int = 8192  # context length of pretraining before extension
+
+    def __attrs_post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ValueError(f"Llama3RopeScaling.factor={self.factor}: must be >= 1")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"Llama3RopeScaling: need 0 < low_freq_factor ({self.low_freq_factor}) "
+                f"< high_freq_factor ({self.high_freq_factor})"
+            )
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "Llama3RopeScaling.original_max_position_embeddings="
+                f"{self.original_max_position_embeddings}: must be > 0"
+            )
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: Llama3RopeScaling | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:  # (head_dim // 2,) float32
+    """Inverse frequencies ``theta ** (-2i / head_dim)``, optionally Llama-3 scaled.
+
+    Same float32 operations as transformers' ``_compute_llama3_parameters``,
+    so the values match bit for bit.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rope_inv_freq: head_dim={head_dim} must be even")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    s = scaling
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,  # (T,) or (B, T) int
+    inv_freq: torch.Tensor,  # (Dh // 2,) float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) or (B, T, Dh) float32
+    """``cos``/``sin`` of ``position * inv_freq``, frequencies repeated twice (rotate-half layout)."""
+    angles = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rope_frequencies(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    scaling: Llama3RopeScaling | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (max_seq_len, head_dim) float32
+    """Tables of ``cos``/``sin`` for positions ``0 .. max_seq_len - 1``.
+
+    Row ``p`` equals ``rope_cos_sin(p, ...)`` exactly; models that see only
+    a few positions per call compute just those with :func:`rope_cos_sin`.
+    """
+    positions = torch.arange(max_seq_len, device=device)
+    return rope_cos_sin(positions, rope_inv_freq(head_dim, theta, scaling, device=device))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(
+    x: torch.Tensor,  # (B, T, H, Dh)
+    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh), or a table (S, Dh) when positions is given
+    sin: torch.Tensor,  # same shape as cos
+    positions: torch.Tensor | None = None,  # (T,) | (B, T) int rows of the cos/sin table
+) -> torch.Tensor:  # (B, T, H, Dh)
+    """Rotate ``x`` by the angles in ``cos``/``sin`` (HF rotate-half convention).
+
+    With ``positions``, ``cos``/``sin`` are tables indexed by position;
+    without, they are already aligned with ``x``'s T axis. As in HF, the
+    angles are cast to ``x.dtype`` before the rotation.
+    """
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]
+    cos = cos.unsqueeze(-2).to(x.dtype)  # broadcast over heads
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
