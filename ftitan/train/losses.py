@@ -1,0 +1,129 @@
+"""Losses: a chunked linear cross-entropy and the next-token loss of a model.
+
+``chunked_cross_entropy`` fuses the output projection with the softmax
+cross-entropy and walks the tokens in chunks, so at most one chunk of logits
+``(chunk, V)`` exists at a time, forward *and* backward: the gradients with
+respect to the hidden states and the head weight are formed chunk by chunk
+during the forward pass and scaled by the incoming gradient in backward
+(the approach of fused linear-cross-entropy kernels such as Liger's,
+Hsu et al. 2024). Without it, autograd would keep every chunk's softmax for
+backward and the memory saving would be lost.
+
+It is a ``torch.autograd.Function`` with ``setup_context``, so
+``torch.func.grad`` and ``torch.compile(fullgraph=True)`` both see through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "next_token_loss"]
+
+IGNORE_INDEX = -100
+
+
+def _chunk_loss(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int):
+    # h: (C, D) any float dtype; w32: (V, D) float32; t: (C,)
+    logits = h.float() @ w32.T  # (C, V)
+    valid = t != ignore_index
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    lse = torch.logsumexp(logits, dim=-1)  # (C,)
+    picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+    return loss, logits, lse, safe_t, valid
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Sum over valid tokens of ``CE(h @ w.T, t)``, gradients formed in forward."""
+
+    @staticmethod
+    def forward(h, w, targets, chunk_size: int, ignore_index: int):  # type: ignore[override]
+        w32 = w.float()
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros_like(w32)
+        for start in range(0, h.shape[0], chunk_size):
+            hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
+            loss, logits, lse, safe_t, valid = _chunk_loss(hc, w32, tc, ignore_index)
+            total = total + loss
+            # d loss / d logits = softmax - onehot, zero on ignored rows
+            dlogits = torch.exp(logits - lse[:, None])
+            dlogits = dlogits.scatter_add(1, safe_t[:, None], -torch.ones_like(lse)[:, None])
+            dlogits = dlogits * valid[:, None].to(dlogits.dtype)
+            grad_h[start : start + chunk_size] = (dlogits @ w32).to(h.dtype)
+            grad_w = grad_w + dlogits.T @ hc.float()
+        return total, grad_h, grad_w.to(w.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+        _total, grad_h, grad_w = output
+        ctx.mark_non_differentiable(grad_h, grad_w)
+        ctx.save_for_backward(grad_h, grad_w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _gh: Any, _gw: Any):  # type: ignore[override]
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None
+
+
+def chunked_cross_entropy(
+    h: torch.Tensor,  # (N, D) final hidden states
+    w: torch.Tensor,  # (V, D) output projection
+    targets: torch.Tensor,  # (N,) int64, IGNORE_INDEX where no loss
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of ``h @ w.T`` against ``targets`` without materializing all logits.
+
+    Logits are computed in float32 one ``(chunk_size, V)`` block at a time.
+    ``reduction="mean"`` divides by the number of non-ignored targets (at
+    least 1), ``"sum"`` does not. When no gradient is needed (evaluation),
+    only the loss is computed.
+    """
+    if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
+        raise ValueError(f"chunked_cross_entropy: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
+    if targets.shape != h.shape[:1]:
+        raise ValueError(f"chunked_cross_entropy: targets {tuple(targets.shape)} must be (N,) = ({h.shape[0]},)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"chunked_cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'")
+    if chunk_size < 1:
+        raise ValueError(f"chunked_cross_entropy: chunk_size={chunk_size} must be >= 1")
+    if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index)
+    else:
+        w32 = w.float()
+        total = sum(
+            _chunk_loss(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)[0]
+            for s in range(0, h.shape[0], chunk_size)
+        )
+    if reduction == "sum":
+        return total
+    count = (targets != ignore_index).sum().clamp(min=1)
+    return total / count
+
+
+def next_token_loss(
+    model: Any, *, chunk_size: int = 1024
+) -> Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``loss_fn(params, batch) -> (loss, aux)`` for a ``Model``.
+
+    ``batch`` is ``{"inputs": (B, T) int64, "targets": (B, T) int64}`` with
+    ``IGNORE_INDEX`` where no loss is taken (padding, prompts). The model runs
+    with ``logits=False`` and the head is applied inside the chunked loss.
+    ``aux["n_tokens"]`` counts the tokens that carry loss.
+    """
+
+    def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs, targets = batch["inputs"], batch["targets"]
+        h, _ = model.apply(params, inputs, logits=False)  # (B, T, D)
+        loss = chunked_cross_entropy(
+            h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size
+        )
+        return loss, {"n_tokens": (targets != IGNORE_INDEX).sum()}
+
+    return loss_fn

@@ -1,0 +1,147 @@
+"""make_train_step: gradients, accumulation, metrics, purity, compile without recompiles."""
+
+import attrs
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import ftitan as ft
+from ftitan import tree as T
+from ftitan.models import llama
+
+
+def tiny_cfg(**kw):
+    base = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    return attrs.evolve(llama.Config.debug(), **(base | kw))
+
+
+def make_batch(cfg, b=4, t=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_cfg()
+    model = llama.model(cfg)
+    params = model.init(ft.random.key(0))
+    return cfg, model, params
+
+
+def assert_trees_close(a, b, **tol):
+    for p, x, y in zip(T.paths(a), T.leaves(a), T.leaves(b), strict=True):
+        torch.testing.assert_close(x, y, msg=lambda m, p=p: f"{p}: {m}", **tol)
+
+
+def test_func_and_autograd_paths_give_identical_gradients(setup):
+    cfg, model, params = setup
+    loss_fn = ft.train.next_token_loss(model)
+    batch = make_batch(cfg)
+    g_func, (l_func, _) = ft.train.value_and_grad(loss_fn, impl="func")(params, batch)
+    g_auto, (l_auto, _) = ft.train.value_and_grad(loss_fn, impl="autograd")(params, batch)
+    assert torch.equal(l_func, l_auto)
+    assert_trees_close(g_func, g_auto, rtol=0, atol=0)
+
+
+def test_remat_needs_the_autograd_path(setup):
+    cfg, model, params = setup
+    base = ft.train.next_token_loss(model)
+
+    def remat_loss(p, batch):  # the whole forward rematerialized in backward
+        return torch.utils.checkpoint.checkpoint(base, p, batch, use_reentrant=False)
+
+    batch = make_batch(cfg)
+    g_ref, (l_ref, _) = ft.train.value_and_grad(base)(params, batch)
+    g_remat, (l_remat, _) = ft.train.value_and_grad(remat_loss, impl="autograd")(params, batch)
+    torch.testing.assert_close(l_remat, l_ref, rtol=0, atol=0)
+    assert_trees_close(g_remat, g_ref, rtol=1e-6, atol=1e-7)
+    with pytest.raises(Exception, match="(?i)saved.?tensor|hooks"):
+        ft.train.value_and_grad(remat_loss, impl="func")(params, batch)
+
+
+def test_accumulation_equals_full_batch(setup):
+    cfg, model, params = setup
+    opt = ft.optim.sgd(0.1)
+    batch = make_batch(cfg, b=4)
+    full = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+    accum = ft.train.make_train_step(ft.train.next_token_loss(model), opt, accum_steps=2)
+    s_full, m_full = full(ft.train.init_state(params, opt), batch)
+    s_acc, m_acc = accum(ft.train.init_state(params, opt), batch)
+    # every micro-batch has the same token count, so the mean of means is the mean
+    torch.testing.assert_close(m_acc["loss"], m_full["loss"], rtol=1e-6, atol=1e-6)
+    assert int(m_acc["n_tokens"]) == int(m_full["n_tokens"]) == 4 * 12
+    assert_trees_close(s_acc.params, s_full.params, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not divisible by accum_steps=3"):
+        ft.train.make_train_step(ft.train.next_token_loss(model), opt, accum_steps=3)(ft.train.init_state(params, opt), batch)
+
+
+def test_metrics_and_purity(setup):
+    cfg, model, params = setup
+    sched = ft.optim.warmup_cosine(1e-2, warmup=2, total=10)
+    opt = ft.optim.chain(ft.optim.clip_by_global_norm(0.5), ft.optim.adamw(sched))
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+    state = ft.train.init_state(params, opt)
+    before = T.map(torch.clone, state.params)
+    batch = make_batch(cfg)
+    new, metrics = step(state, batch)
+    assert set(metrics) >= {"loss", "grad_norm", "lr", "n_tokens"}
+    assert_trees_close(state.params, before, rtol=0, atol=0)  # the input state is untouched
+    assert int(new.step) == 1 and int(state.step) == 0
+    grads, _ = ft.train.value_and_grad(ft.train.next_token_loss(model))(params, batch)
+    torch.testing.assert_close(metrics["grad_norm"], T.global_norm(grads))
+    torch.testing.assert_close(metrics["lr"], sched(torch.tensor(0)).float())  # lr used by the first update
+
+
+def test_loss_falls_on_a_fixed_batch(setup):
+    cfg, model, params = setup
+    opt = ft.optim.adamw(3e-3, weight_decay=0.0)
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+    state, batch = ft.train.init_state(params, opt), make_batch(cfg)
+    losses = []
+    for _ in range(30):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def _run(step, state, batches):
+    losses = []
+    for batch in batches:
+        state, m = step(state, batch)
+        losses.append(m["loss"])
+    return state, torch.stack(losses)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon_with_adamw"])
+def test_compiled_step_matches_eager_without_recompiles(setup, optimizer):
+    cfg, model, params = setup
+    sched = ft.optim.warmup_cosine(1e-2, warmup=3, total=10)  # lr changes every step
+    if optimizer == "adamw":
+        opt = ft.optim.adamw(sched)
+    else:
+        opt = ft.optim.muon_with_adamw(params, lr=sched, ns_dtype=torch.float32)
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+    batches = [make_batch(cfg, seed=i) for i in range(10)]
+    _, eager = _run(step, ft.train.init_state(params, opt), batches)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        state, got = _run(compiled, ft.train.init_state(params, opt), batches)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    assert int(state.step) == 10
+
+
+def test_inductor_step_matches_eager(setup):
+    """The default backend (inductor) on the real step: same losses, one compile for 10 steps."""
+    cfg, model, params = setup
+    opt = ft.optim.adamw(ft.optim.warmup_cosine(1e-2, warmup=3, total=10))
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+    batches = [make_batch(cfg, seed=i) for i in range(10)]
+    _, eager = _run(step, ft.train.init_state(params, opt), batches)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _, got = _run(compiled, ft.train.init_state(params, opt), batches)
+    # inductor reorders float reductions: 10 steps of Adam amplify ulp-level differences a little
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-4)
