@@ -1,0 +1,1 @@
+"""Benchmarks behind ``ftitan bench ...``: JSON out, peers measured side by side."""

@@ -1,0 +1,184 @@
+"""Side-by-side step timing, GEMM peak and machine description for benchmarks.
+
+Peers are timed in one process, interleaved: every peer is warmed up first,
+then each round calls every peer once (the starting peer rotates from round
+to round), so slow drift on a shared machine (other jobs, thermal, frequency)
+hits all peers alike. Per-peer statistics are medians; the ratios between
+peers are what benchmark goals should judge.
+
+Pure stdlib + torch. Every result is a plain, JSON-serializable dict.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = [
+    "time_steps",
+    "ratios",
+    "gemm_peak_flops",
+    "machine_info",
+]
+
+
+def _sync() -> None:
+    # CPU kernels run synchronously; on an accelerator wait for queued work so
+    # the wall clock measures the step, not the launch.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_steps(
+    steps: Mapping[str, Callable[[], Any]],
+    *,
+    tokens_per_step: int | Mapping[str, int],
+    warmup: int = 2,
+    rounds: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Time several zero-argument step callables side by side.
+
+    Each peer is called ``warmup`` times (untimed; covers compilation and
+    allocator warm-up), then ``rounds`` rounds follow in which every peer is
+    called once and timed. Round ``r`` starts with peer ``r % len(steps)`` so
+    that no peer always runs right after the same neighbour.
+
+    ``tokens_per_step`` is one int for all peers or a mapping name -> int.
+
+    Returns ``{"warmup", "rounds", "order", "results": {name: {...}}}`` where
+    each result holds ``median_s`` (seconds per step), ``min_s``, ``max_s``,
+    ``times_s`` (every timed call, in call order), ``tokens_per_step`` and
+    ``tokens_per_s = tokens_per_step / median_s``.
+    """
+    if not steps:
+        raise ValueError("time_steps needs at least one step callable")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    names = list(steps)
+    if isinstance(tokens_per_step, Mapping):
+        missing = [n for n in names if n not in tokens_per_step]
+        if missing:
+            raise ValueError(f"tokens_per_step lacks peers {missing}")
+        tps = {n: int(tokens_per_step[n]) for n in names}
+    else:
+        tps = {n: int(tokens_per_step) for n in names}
+
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+        _sync()
+
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            _sync()
+            t0 = clock()
+            steps[name]()
+            _sync()
+            times[name].append(clock() - t0)
+
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        ts = times[name]
+        med = statistics.median(ts)
+        results[name] = {
+            "median_s": med,
+            "min_s": min(ts),
+            "max_s": max(ts),
+            "times_s": list(ts),
+            "tokens_per_step": tps[name],
+            "tokens_per_s": tps[name] / med if med > 0 else float("inf"),
+        }
+    return {"warmup": warmup, "rounds": rounds, "order": names, "results": results}
+
+
+def ratios(
+    results: Mapping[str, Mapping[str, Any]],
+    pairs: list[tuple[str, str]],
+    *,
+    key: str = "tokens_per_s",
+) -> dict[str, float]:
+    """``{"a/b": results[a][key] / results[b][key]}`` for each ``(a, b)`` pair.
+
+    ``results`` is the ``"results"`` dict of :func:`time_steps`.
+    """
+    return {f"{a}/{b}": float(results[a][key]) / float(results[b][key]) for a, b in pairs}
+
+
+def gemm_peak_flops(
+    n: int = 2048,
+    dtype: torch.dtype = torch.float32,
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Achieved FLOP/s of an ``n x n @ n x n`` matmul (``2 n^3`` FLOPs).
+
+    The median over ``repeats`` timed calls (after ``warmup``), with the
+    current torch thread count. Intended as the MFU denominator on a machine
+    without a published peak. Returns ``{"n", "dtype", "threads",
+    "repeats", "median_s", "flops_per_s"}``; ``flops_per_s`` is the figure
+    to divide by.
+    """
+    if n < 1 or repeats < 1:
+        raise ValueError("n and repeats must be >= 1")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(warmup):
+        torch.mm(a, b, out=out)
+    _sync()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        _sync()
+        ts.append(time.perf_counter() - t0)
+    med = statistics.median(ts)
+    return {
+        "n": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "median_s": med,
+        "flops_per_s": 2.0 * n**3 / med,
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """``{"cpu", "threads", "cores", "torch", "python", "platform"}``.
+
+    ``threads`` is ``torch.get_num_threads()`` (what intra-op kernels use),
+    ``cores`` is ``os.cpu_count()``.
+    """
+    return {
+        "cpu": _cpu_model(),
+        "threads": torch.get_num_threads(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
