@@ -6,7 +6,7 @@ export HYPOTHESIS_STORAGE_DIRECTORY := $(CURDIR)/.cache/hypothesis
 
 .PHONY: install test test-all bench clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
 	$(BIN)/pip install torch==2.13.0

@@ -17,6 +17,30 @@ __all__ = ["DEFAULT_COEFFICIENTS", "newton_schulz"]
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
+# read once at import: dynamo refuses to trace torch.cpu's capability probes
+_is_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+_CPU_HAS_NATIVE_BF16 = bool(_is_bf16 and _is_bf16())
+
+
+def _emulate_bf16(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    # CPUs without AVX512-BF16/AMX run bf16 matmuls ~50x slower than fp32
+    # (measured: 5 steps on 512x512 take 2.3 s vs 0.03 s on an AVX2 EPYC)
+    return dtype == torch.bfloat16 and x.device.type == "cpu" and not _CPU_HAS_NATIVE_BF16
+
+
+def _baddbmm(inp: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor, *, beta: float, alpha: float, emulate: bool) -> torch.Tensor:
+    """``beta * inp + alpha * b1 @ b2`` in the dtype of the inputs.
+
+    With ``emulate``, bf16 inputs are multiplied in float32 (exact: a bf16
+    value is a float32 value) and the result is rounded to bf16 once, which
+    is what a native bf16 GEMM does (fp32 accumulation, one rounding): the
+    same numbers up to accumulation order, at fp32 GEMM speed.
+    """
+    if not emulate:
+        return torch.baddbmm(inp, b1, b2, beta=beta, alpha=alpha)
+    return torch.baddbmm(inp.float(), b1.float(), b2.float(), beta=beta, alpha=alpha).to(inp.dtype)
+
+
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
@@ -35,6 +59,8 @@ def newton_schulz(
 
     The operations are those of torch.optim.Muon's ``_zeropower_via_newtonschulz``
     (cast, transpose, normalize, then ``addmm``-style fused updates), batched.
+    On a CPU without native bf16 GEMMs the bf16 products are computed in
+    float32 and rounded to bf16 after each product (see ``_baddbmm``).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: expected (..., m, n) matrices, got shape {tuple(G.shape)}")
@@ -50,10 +76,11 @@ def newton_schulz(
     if tall:
         X = X.mT
     X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    emulate = _emulate_bf16(X, dtype)
     for _ in range(steps):
-        A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+        A = (X.float() @ X.float().mT).to(dtype) if emulate else X @ X.mT
+        B = _baddbmm(A, A, A, beta=b, alpha=c, emulate=emulate)
+        X = _baddbmm(X, B, X, beta=a, alpha=1.0, emulate=emulate)
     if tall:
         X = X.mT
     return X.contiguous().reshape(shape)

@@ -25,15 +25,15 @@ __all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "next_token_loss"]
 IGNORE_INDEX = -100
 
 
-def _chunk_loss(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int):
+def _chunk_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int):
     # h: (C, D) any float dtype; w32: (V, D) float32; t: (C,)
-    logits = h.float() @ w32.T  # (C, V)
+    # one fused log_softmax pass over the (C, V) block; the block is reused in place after
+    logp = torch.log_softmax(h.float() @ w32.T, dim=-1)  # (C, V)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
-    lse = torch.logsumexp(logits, dim=-1)  # (C,)
-    picked = logits.gather(1, safe_t[:, None]).squeeze(1)
-    loss = torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-    return loss, logits, lse, safe_t, valid
+    nll = -logp.gather(1, safe_t[:, None]).squeeze(1)  # (C,)
+    loss = torch.where(valid, nll, torch.zeros_like(nll)).sum()
+    return loss, logp, safe_t, valid
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -44,17 +44,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w32 = w.float()
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h)
-        grad_w = torch.zeros_like(w32)
+        grad_w = None
         for start in range(0, h.shape[0], chunk_size):
             hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
-            loss, logits, lse, safe_t, valid = _chunk_loss(hc, w32, tc, ignore_index)
+            loss, logp, safe_t, valid = _chunk_logprobs(hc, w32, tc, ignore_index)
             total = total + loss
-            # d loss / d logits = softmax - onehot, zero on ignored rows
-            dlogits = torch.exp(logits - lse[:, None])
-            dlogits = dlogits.scatter_add(1, safe_t[:, None], -torch.ones_like(lse)[:, None])
-            dlogits = dlogits * valid[:, None].to(dlogits.dtype)
-            grad_h[start : start + chunk_size] = (dlogits @ w32).to(h.dtype)
-            grad_w = grad_w + dlogits.T @ hc.float()
+            # d loss / d logits = softmax - onehot, computed in place over the logits block;
+            # ignored rows are zeroed on the small (C, D) side instead of the (C, V) block
+            dlogits = logp.exp_()
+            rows = torch.arange(dlogits.shape[0], device=dlogits.device)
+            dlogits.index_put_((rows, safe_t), torch.full_like(rows, -1, dtype=dlogits.dtype), accumulate=True)
+            keep = valid[:, None].to(torch.float32)  # (C, 1)
+            grad_h[start : start + chunk_size] = ((dlogits @ w32) * keep).to(h.dtype)
+            contrib = dlogits.T @ (hc.float() * keep)  # (V, D)
+            grad_w = contrib if grad_w is None else grad_w + contrib
         return total, grad_h, grad_w.to(w.dtype)
 
     @staticmethod
@@ -98,7 +101,7 @@ def chunked_cross_entropy(
     else:
         w32 = w.float()
         total = sum(
-            _chunk_loss(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)[0]
+            _chunk_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)[0]
             for s in range(0, h.shape[0], chunk_size)
         )
     if reduction == "sum":
