@@ -19,6 +19,7 @@ test: install
 	$(BIN)/python -m pytest
 
 test-all: install
+	$(BIN)/pip install -e '.[dev,bench]'
 	$(BIN)/python -m pytest -m ''
 
 bench: install
