@@ -2,7 +2,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
-export HYPOTHESIS_STORAGE_DIRECTORY := $(CURDIR)/.cache/hypothesis
 
 .PHONY: install test test-all bench clean
 
