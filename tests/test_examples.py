@@ -19,3 +19,19 @@ def test_train_loop_example_trains(optimizer):
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 5, out
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
+
+
+def test_readme_training_loop_runs_as_written(tmp_path):
+    """The 15-line loop in README.md, run verbatim but for its step count."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## A training loop in 15 lines", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 16, "the README loop grew past 15 lines"
+    assert "range(200)" in code
+    script = tmp_path / "loop.py"
+    script.write_text(code.replace("range(200)", "range(3)"))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.strip().splitlines()]
+    assert [r[0] for r in rows] == ["0", "1", "2"], out.stdout
+    losses = [float(r[1]) for r in rows]
+    assert all(7.0 < x < 8.5 for x in losses), losses  # ln(2048) = 7.62 at init

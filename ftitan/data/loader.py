@@ -1,0 +1,110 @@
+"""A resumable, shuffling loader over packed rows.
+
+The loader's whole state is :class:`LoaderState`, a NamedTuple of three 0-d
+``int64`` tensors (shuffle key, epoch, position), so it checkpoints with the
+rest of the train state. :func:`next_batch` is a function of
+``(dataset, state)`` only: epoch ``e`` visits the rows in the order
+``randperm(num_rows)`` drawn from ``fold_in(key, e)``, so a run resumed from a
+saved state sees exactly the batches the uninterrupted run would have seen.
+
+Each epoch visits every row exactly once. A batch that runs past the end of
+an epoch takes its remaining rows from the start of the next epoch's order,
+so no row is skipped and every batch is full.
+
+Example::
+
+    ds = PackedDataset(pack(stream, seq_len=256))
+    state = init_loader_state(0)
+    batch, state = next_batch(ds, state, batch_size=8)   # batch["inputs"]: (8, 256) int64
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ftitan import random
+
+__all__ = ["Batch", "LoaderState", "PackedDataset", "epoch_order", "init_loader_state", "next_batch"]
+
+Batch = dict[str, torch.Tensor]
+
+
+class PackedDataset(NamedTuple):
+    """Packed token rows, ``(num_rows, seq_len + 1)`` int32 or int64 (see :func:`ftitan.data.pack`)."""
+
+    rows: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.shape[1] - 1
+
+
+class LoaderState(NamedTuple):
+    """Where a loader is: all 0-d ``int64`` tensors."""
+
+    key: torch.Tensor  # shuffle key (ftitan.random); epoch e uses fold_in(key, e)
+    epoch: torch.Tensor  # epochs completed
+    position: torch.Tensor  # rows of the current epoch already served
+
+
+def init_loader_state(seed: int | torch.Tensor) -> LoaderState:
+    """Epoch 0, position 0, shuffle key from an int seed or an ftitan.random key."""
+    k = random.key(seed) if isinstance(seed, int) else seed
+    random.key_data(k)  # validates it is a key
+    zero = torch.zeros((), dtype=torch.int64)
+    return LoaderState(key=k, epoch=zero, position=zero.clone())
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(key_bits: int, epoch: int, num_rows: int) -> torch.Tensor:
+    # cached: next_batch runs once per step, but the order only changes once per epoch
+    signed = key_bits - (1 << 64) if key_bits >= (1 << 63) else key_bits
+    k = random.fold_in(torch.tensor(signed, dtype=torch.int64), epoch)
+    g = torch.Generator(device="cpu").manual_seed(random.key_data(k) >> 1)
+    return torch.randperm(num_rows, generator=g)
+
+
+def epoch_order(key: torch.Tensor, epoch: int, num_rows: int) -> torch.Tensor:
+    """The row order of ``epoch``: a permutation of ``range(num_rows)``, ``(num_rows,)`` int64."""
+    return _epoch_order(random.key_data(key), int(epoch), num_rows).clone()
+
+
+def next_batch(dataset: PackedDataset, state: LoaderState, batch_size: int) -> tuple[Batch, LoaderState]:
+    """The next ``batch_size`` rows as ``{"inputs": (B, T), "targets": (B, T)}`` int64, and the new state.
+
+    ``T = dataset.seq_len``; ``targets`` is ``inputs`` shifted left by one token.
+    """
+    n = dataset.num_rows
+    if batch_size < 1:
+        raise ValueError(f"next_batch: batch_size must be >= 1, got {batch_size}")
+    if n == 0:
+        raise ValueError("next_batch: the dataset has no rows")
+    key_bits = random.key_data(state.key)
+    epoch, position = int(state.epoch), int(state.position)
+    if not 0 <= position < n:
+        raise ValueError(f"next_batch: state.position={position} is outside [0, {n}); "
+                         f"was this state saved for a dataset of another size?")
+    picks: list[torch.Tensor] = []
+    need = batch_size
+    while need > 0:
+        take = min(need, n - position)
+        picks.append(_epoch_order(key_bits, epoch, n)[position : position + take])
+        need -= take
+        position += take
+        if position == n:
+            epoch, position = epoch + 1, 0
+    rows = dataset.rows[torch.cat(picks)].long()  # (B, T + 1)
+    batch = {"inputs": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}
+    new_state = LoaderState(
+        key=state.key,
+        epoch=torch.tensor(epoch, dtype=torch.int64),
+        position=torch.tensor(position, dtype=torch.int64),
+    )
+    return batch, new_state

@@ -1,0 +1,110 @@
+"""Byte-level BPE tokenizer (GPT-2 style, Radford et al. 2019) trained with HF ``tokenizers``.
+
+Byte-level means every string round-trips: the 256 byte symbols are always in
+the vocabulary, so nothing is ever ``<unk>``. The one special token is
+``<|eos|>``, which :mod:`ftitan.data.packing` puts between documents.
+
+:func:`tokenizer_for` caches ``tokenizer.json`` in a run directory: the first
+call trains, every later call (including a resumed run) loads the same file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+__all__ = ["EOS", "TOKENIZER_FILE", "Tokenizer", "load_tokenizer", "tokenizer_for", "train_tokenizer"]
+
+EOS = "<|eos|>"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class Tokenizer:
+    """A thin wrapper over a ``tokenizers.Tokenizer``: ``encode``, ``decode``, ``vocab_size``, ``eos_id``."""
+
+    def __init__(self, hf: _HFTokenizer) -> None:
+        eos_id = hf.token_to_id(EOS)
+        if eos_id is None:
+            raise ValueError(f"tokenizer has no {EOS!r} special token; train it with train_tokenizer")
+        self.hf = hf
+        self.eos_id: int = eos_id
+        self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; no EOS is added (packing adds it between documents)."""
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, run in parallel by the Rust library."""
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """The text of ``ids``; ``<|eos|>`` is kept so document boundaries stay visible."""
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _new_bpe() -> _HFTokenizer:
+    tok = _HFTokenizer(models.BPE())
+    # add_prefix_space=False: a document's first word is not silently changed
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_tokenizer(docs: Iterable[str], vocab_size: int, path: str | Path | None = None) -> Tokenizer:
+    """Train a byte-level BPE of ``vocab_size`` tokens (256 bytes + merges + ``<|eos|>``) on ``docs``.
+
+    Saves ``tokenizer.json`` to ``path`` when given (a directory, or a file path ending in ``.json``).
+    """
+    if vocab_size < 257:
+        raise ValueError(f"train_tokenizer: vocab_size={vocab_size} is below 257 "
+                         f"(256 byte symbols + {EOS}); use at least 257")
+    tok = _new_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(docs, trainer=trainer)
+    if path is not None:
+        file = _tokenizer_file(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(file))
+    return Tokenizer(tok)
+
+
+def _tokenizer_file(path: str | Path) -> Path:
+    path = Path(path)
+    return path if path.suffix == ".json" else path / TOKENIZER_FILE
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a tokenizer saved by :func:`train_tokenizer` (a directory or a ``.json`` file)."""
+    file = _tokenizer_file(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"load_tokenizer: {file} does not exist; train one with train_tokenizer")
+    return Tokenizer(_HFTokenizer.from_file(str(file)))
+
+
+def tokenizer_for(run_dir: str | Path, docs: Iterable[str], vocab_size: int) -> Tokenizer:
+    """``run_dir/tokenizer.json`` if present, else train one on ``docs`` and save it there.
+
+    ``docs`` is only iterated when training. A cached tokenizer whose vocabulary
+    size differs from ``vocab_size`` is an error, not a silent retrain.
+    """
+    file = Path(run_dir) / TOKENIZER_FILE
+    if file.is_file():
+        tok = load_tokenizer(file)
+        if tok.vocab_size != vocab_size:
+            raise ValueError(f"{file}: cached tokenizer has vocab_size={tok.vocab_size}, but "
+                             f"vocab_size={vocab_size} was asked for; delete the file to retrain "
+                             f"or use a new run directory")
+        return tok
+    return train_tokenizer(docs, vocab_size, file)
