@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -232,7 +233,15 @@ def register_node(
         children, aux = flatten_fn(obj)
         return children, aux, (keys(aux) if keys else None)
 
-    optree.register_pytree_node(cls, optree_flatten, unflatten_fn, namespace=NAMESPACE)
+    with warnings.catch_warnings():
+        # overriding optree's positional NamedTuple handling is the point when keys name fields
+        warnings.filterwarnings("ignore", message=".*already registered in the global namespace")
+        optree.register_pytree_node(cls, optree_flatten, unflatten_fn, namespace=NAMESPACE)
+
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        # torch's pytree already flattens every NamedTuple in field order; a
+        # second registration there only warns (torch.utils._cxx_pytree)
+        return cls
 
     def torch_flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
         children, aux = flatten_fn(obj)

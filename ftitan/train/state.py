@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftitan import random
+from ftitan import random, tree
 
 __all__ = ["TrainState", "init_state"]
 
@@ -28,3 +28,14 @@ def init_state(params: Any, optimizer: Any, *, rng: torch.Tensor | None = None) 
         opt_state=optimizer.init(params),
         rng=random.key(0) if rng is None else rng,
     )
+
+
+# Paths into a TrainState read "params.layers.0.attn.wq", "opt_state.0.mu....",
+# not "1.layers.0..." (optree names NamedTuple children by position): checkpoints
+# key tensors by these paths.
+tree.register_node(
+    TrainState,
+    lambda s: (tuple(s), None),
+    lambda _aux, children: TrainState(*children),
+    keys=lambda _aux: TrainState._fields,
+)
