@@ -13,7 +13,7 @@ def test_kernels_folder_is_installed_as_ftitan_kernels():
 
 
 def test_top_level_namespace():
-    for name in ["tree", "random", "nn", "models", "optim", "train"]:
+    for name in ["tree", "random", "nn", "models", "optim", "train", "data", "checkpoint"]:
         assert hasattr(ft, name), name
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorsError, safe_open
+from safetensors import SafetensorError, safe_open
 
 from ftitan import tree as ftree
 from ftitan.checkpoint._layout import latest, step_of
@@ -44,8 +44,9 @@ def load(path_or_directory: str | Path, like_tree: Any, *, verify: bool = True) 
     >>> state, manifest = load("ckpt", init_state(params, opt))
     >>> manifest.step, manifest.extra["config"]
     """
-    manifest = read_manifest(_resolve(Path(path_or_directory)))
-    if verify:
+    checkpoint, verified = _resolve(Path(path_or_directory), verify=verify)
+    manifest = read_manifest(checkpoint)
+    if verify and not verified:
         verify_files(manifest)
     paths, likes, treedef = ftree.flatten_with_paths(like_tree)
     _check_structure(manifest, paths, likes)
@@ -53,29 +54,31 @@ def load(path_or_directory: str | Path, like_tree: Any, *, verify: bool = True) 
     try:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             leaves = [_restore(path, f.get_tensor(path), like) for path, like in zip(paths, likes, strict=True)]
-    except SafetensorsError as e:
+    except SafetensorError as e:
         raise CorruptCheckpointError(f"{file}: unreadable tensor file ({e}); restore from another checkpoint") from e
     return ftree.unflatten(treedef, leaves), manifest
 
 
-def _resolve(path: Path) -> Path:
+def _resolve(path: Path, *, verify: bool) -> tuple[Path, bool]:
+    """The checkpoint to read, and whether its files were already verified."""
     if step_of(path) is not None or (path / MANIFEST_FILE).exists() or (path / STATE_FILE).exists():
-        return path
+        return path, False
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint or checkpoint directory")
-    found = latest(path)
+    found = latest(path, verify=verify)
     if found is None:
         raise FileNotFoundError(
             f"{path}: no valid checkpoint (step_XXXXXXXX directory with a good manifest) in this directory"
         )
-    return found
+    return found, verify
 
 
 def _check_structure(manifest: Manifest, paths: list[str], likes: list[Any]) -> None:
     where = f"checkpoint {manifest.path}"
     saved = {s.path: s for s in manifest.leaves}
     missing = [p for p in paths if p not in saved]
-    unexpected = [p for p in saved if p not in set(paths)]
+    wanted = set(paths)
+    unexpected = [p for p in saved if p not in wanted]
     if missing or unexpected:
         parts = []
         if missing:

@@ -35,6 +35,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 STATE_FILE = "state.safetensors"
 
+_LEAVES = "\x00leaves"  # placeholder while formatting manifest.json
 _CHUNK = 1 << 22  # 4 MiB reads while hashing
 
 
@@ -93,10 +94,15 @@ def manifest_json(manifest: Manifest) -> str:
         "version": manifest.version,
         "step": manifest.step,
         "files": {STATE_FILE: {"sha256": manifest.state_sha256, "bytes": manifest.state_nbytes}},
-        "leaves": [{"path": s.path, "dtype": s.dtype, "shape": list(s.shape)} for s in manifest.leaves],
+        "leaves": _LEAVES,
         "extra": manifest.extra,
     }
-    return json.dumps(doc, indent=1, allow_nan=False) + "\n"
+    # one leaf per line: a manifest is read by people diffing two runs
+    leaves = ",\n  ".join(
+        json.dumps({"path": s.path, "dtype": s.dtype, "shape": list(s.shape)}) for s in manifest.leaves
+    )
+    text = json.dumps(doc, indent=1, allow_nan=False)
+    return text.replace(json.dumps(_LEAVES), f"[\n  {leaves}\n ]" if leaves else "[]", 1) + "\n"
 
 
 def read_manifest(checkpoint: str | Path) -> Manifest:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,10 @@ def save(
     Every leaf must be a tensor; it is stored in ``state.safetensors`` under
     its dotted path (``ftitan.tree.paths``), so a ``TrainState`` round-trips
     bit-exactly. ``extra`` is JSON metadata kept in ``manifest.json`` (the
-    run's config, the data loader's position, ...). The write is atomic: see
-    the module docstring. An existing checkpoint of the same step is replaced.
+    run's config, a git commit, ...); tensor state such as
+    ``ftitan.data.LoaderState`` belongs in ``tree`` itself. The write is
+    atomic: see the module docstring. An existing checkpoint of the same
+    step is replaced.
 
     ``keep=K`` then deletes older checkpoints so that the K newest with a
     step up to ``step`` remain (this one included); checkpoints of later
@@ -64,7 +66,8 @@ def save(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / checkpoint_dirname(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=directory))
+    tmp = _hidden_name(final)
+    tmp.mkdir()  # not tempfile.mkdtemp, whose 0o700 would hide the checkpoint from other users
     try:
         state_file = tmp / STATE_FILE
         save_file(tensors, str(state_file))
@@ -149,6 +152,10 @@ def _standalone(x: torch.Tensor, seen_storage: set[int]) -> torch.Tensor:
     return x
 
 
+def _hidden_name(final: Path, tag: str = "") -> Path:
+    return final.parent / f"{TMP_PREFIX}{tag}{final.name}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def _fsync_file(file: Path) -> None:
     with open(file, "rb+") as f:
         os.fsync(f.fileno())
@@ -174,8 +181,8 @@ def _commit(tmp: Path, final: Path) -> None:
     if final.exists():
         # a non-empty directory cannot be renamed over: move the old one aside
         # (hidden, so a crash here leaves the previous step as latest)
-        old = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{final.name}-", dir=final.parent))
-        os.rename(final, old / final.name)
+        old = _hidden_name(final, "old-")
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     if old is not None:

@@ -12,7 +12,15 @@ The default pipeline, offline everywhere::
 """
 
 from ftitan.data.corpus import jsonl, stdlib_corpus, stdlib_files, text_files
-from ftitan.data.loader import Batch, LoaderState, PackedDataset, epoch_order, init_loader_state, next_batch
+from ftitan.data.loader import (
+    Batch,
+    LoaderState,
+    PackedDataset,
+    epoch_order,
+    eval_batches,
+    init_loader_state,
+    next_batch,
+)
 from ftitan.data.packing import encode_documents, pack, token_stream
 from ftitan.data.tokenizer import EOS, Tokenizer, load_tokenizer, tokenizer_for, train_tokenizer
 
@@ -24,6 +32,7 @@ __all__ = [
     "Tokenizer",
     "encode_documents",
     "epoch_order",
+    "eval_batches",
     "init_loader_state",
     "jsonl",
     "load_tokenizer",

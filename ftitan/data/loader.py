@@ -21,13 +21,22 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
 from ftitan import random
 
-__all__ = ["Batch", "LoaderState", "PackedDataset", "epoch_order", "init_loader_state", "next_batch"]
+__all__ = [
+    "Batch",
+    "LoaderState",
+    "PackedDataset",
+    "epoch_order",
+    "eval_batches",
+    "init_loader_state",
+    "next_batch",
+]
 
 Batch = dict[str, torch.Tensor]
 
@@ -63,17 +72,19 @@ def init_loader_state(seed: int | torch.Tensor) -> LoaderState:
 
 
 @functools.lru_cache(maxsize=4)
-def _epoch_order(key_bits: int, epoch: int, num_rows: int) -> torch.Tensor:
+def _randperm(seed_bits: int, num_rows: int) -> torch.Tensor:
     # cached: next_batch runs once per step, but the order only changes once per epoch
-    signed = key_bits - (1 << 64) if key_bits >= (1 << 63) else key_bits
-    k = random.fold_in(torch.tensor(signed, dtype=torch.int64), epoch)
-    g = torch.Generator(device="cpu").manual_seed(random.key_data(k) >> 1)
+    g = torch.Generator(device="cpu").manual_seed(seed_bits >> 1)  # as ftitan.random: signed 63 bits
     return torch.randperm(num_rows, generator=g)
+
+
+def _order(key: torch.Tensor, epoch: int, num_rows: int) -> torch.Tensor:
+    return _randperm(random.key_data(random.fold_in(key, epoch)), num_rows)
 
 
 def epoch_order(key: torch.Tensor, epoch: int, num_rows: int) -> torch.Tensor:
     """The row order of ``epoch``: a permutation of ``range(num_rows)``, ``(num_rows,)`` int64."""
-    return _epoch_order(random.key_data(key), int(epoch), num_rows).clone()
+    return _order(key, int(epoch), num_rows).clone()
 
 
 def next_batch(dataset: PackedDataset, state: LoaderState, batch_size: int) -> tuple[Batch, LoaderState]:
@@ -86,7 +97,7 @@ def next_batch(dataset: PackedDataset, state: LoaderState, batch_size: int) -> t
         raise ValueError(f"next_batch: batch_size must be >= 1, got {batch_size}")
     if n == 0:
         raise ValueError("next_batch: the dataset has no rows")
-    key_bits = random.key_data(state.key)
+    random.key_data(state.key)  # validates it is a key
     epoch, position = int(state.epoch), int(state.position)
     if not 0 <= position < n:
         raise ValueError(f"next_batch: state.position={position} is outside [0, {n}); "
@@ -95,16 +106,28 @@ def next_batch(dataset: PackedDataset, state: LoaderState, batch_size: int) -> t
     need = batch_size
     while need > 0:
         take = min(need, n - position)
-        picks.append(_epoch_order(key_bits, epoch, n)[position : position + take])
+        picks.append(_order(state.key, epoch, n)[position : position + take])
         need -= take
         position += take
         if position == n:
             epoch, position = epoch + 1, 0
-    rows = dataset.rows[torch.cat(picks)].long()  # (B, T + 1)
-    batch = {"inputs": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}
+    batch = _as_batch(dataset.rows[torch.cat(picks)])
     new_state = LoaderState(
         key=state.key,
         epoch=torch.tensor(epoch, dtype=torch.int64),
         position=torch.tensor(position, dtype=torch.int64),
     )
     return batch, new_state
+
+
+def _as_batch(rows: torch.Tensor) -> Batch:
+    rows = rows.long()  # (B, T + 1)
+    return {"inputs": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}
+
+
+def eval_batches(dataset: PackedDataset, batch_size: int) -> Iterator[Batch]:
+    """Every row once, in stored order, unshuffled: for held-out loss. The last batch may be smaller."""
+    if batch_size < 1:
+        raise ValueError(f"eval_batches: batch_size must be >= 1, got {batch_size}")
+    for start in range(0, dataset.num_rows, batch_size):
+        yield _as_batch(dataset.rows[start : start + batch_size])
