@@ -1,0 +1,59 @@
+"""The run configuration: frozen attrs classes of Python scalars (tyro-readable).
+
+A run is one ``TrainConfig``, built by a recipe (``ftitan.config.recipes``)
+and adjusted by dotted CLI overrides (``--optim.lr 1e-3``).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ftitan.models import llama
+
+__all__ = ["DataConfig", "OptimConfig", "TrainConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = "adamw"  # "adamw", or "muon" (Muon on hidden matrices + AdamW on the rest)
+    lr: float = 3e-3  # peak learning rate
+    warmup: int = 50  # linear warmup steps (from 0)
+    schedule: str = "cosine"  # "cosine", "wsd" (warmup-stable-decay) or "constant" (after warmup)
+    final_lr_fraction: float = 0.1  # lr at the end of the schedule, as a fraction of lr
+    weight_decay: float = 0.1  # decoupled weight decay
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    clip: float = 1.0  # global-norm gradient clipping (0 disables it)
+
+
+@attrs.frozen(kw_only=True)
+class DataConfig:
+    """Where tokens come from and how they are batched."""
+
+    corpus: str = "stdlib"  # "stdlib" (the interpreter's standard library source), or a .txt / .jsonl path
+    jsonl_field: str = "text"  # field holding the document text in a .jsonl corpus
+    vocab_size: int = 2048  # byte-level BPE vocabulary trained on the corpus (cached in the run dir)
+    seq_len: int = 256  # tokens per training row
+    batch_size: int = 16  # rows per optimizer step
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    """One training run."""
+
+    recipe: str  # the recipe this config came from
+    model: llama.Config  # model architecture (vocab_size must equal data.vocab_size)
+    optim: OptimConfig = OptimConfig()
+    data: DataConfig = DataConfig()
+    steps: int = 400  # optimizer steps in total
+    accum_steps: int = 1  # micro-batches per step (batch_size must divide by it)
+    eval_every: int = 50  # steps between held-out evaluations (0: only at the end)
+    eval_batches: int = 8  # held-out batches per evaluation
+    log_every: int = 10  # steps between metric records
+    ckpt_every: int = 100  # steps between checkpoints (0: only at the end)
+    keep: int = 3  # checkpoints kept (the newest K)
+    compile: bool = True  # torch.compile the train step (fullgraph)
+    seed: int = 0  # seeds init and data order
+    run_dir: str = "runs/{recipe}"  # where tokenizer, metrics, checkpoints and loss.png go

@@ -1,0 +1,223 @@
+"""The training loop: data -> step -> metrics -> checkpoint, written so a reader sees it.
+
+``train(cfg)`` runs one ``TrainConfig``: it tokenizes the corpus (cached in
+the run directory), builds the model and optimizer, compiles the pure train
+step, and loops, showing a progress bar, evaluating held-out loss, writing
+``metrics.jsonl`` and TensorBoard events, checkpointing (atomically, keeping
+the last K), and finally plotting ``loss.png``. ``resume=True`` continues
+from the newest valid checkpoint and sees exactly the batches an
+uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from ftitan import checkpoint, data, optim, random
+from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
+from ftitan.models import llama
+from ftitan.nn import Llama3RopeScaling
+from ftitan.train.losses import next_token_loss
+from ftitan.train.state import TrainState, init_state
+from ftitan.train.step import make_train_step
+
+__all__ = ["build_optimizer", "config_from_dict", "evaluate", "load_data", "load_run", "run_dir_of", "train"]
+
+
+def run_dir_of(cfg: TrainConfig) -> Path:
+    return Path(cfg.run_dir.format(recipe=cfg.recipe))
+
+
+def _documents(cfg: TrainConfig, split: str) -> Any:
+    corpus = cfg.data.corpus
+    if corpus == "stdlib":
+        return data.stdlib_corpus(split=split)
+    docs = list(data.jsonl(corpus, field=cfg.data.jsonl_field) if corpus.endswith(".jsonl") else data.text_files([corpus]))
+    cut = max(1, len(docs) // 50)  # a user corpus: the last 2% of its documents are held out
+    return docs[:-cut] if split == "train" else docs[-cut:]
+
+
+def load_data(cfg: TrainConfig, run_dir: Path) -> tuple[data.Tokenizer, data.PackedDataset, data.PackedDataset]:
+    """Tokenizer (trained once, cached) and packed train / held-out rows (encoded once, cached)."""
+    tok = data.tokenizer_for(run_dir, _documents(cfg, "train"), cfg.data.vocab_size)
+    sets = []
+    for split in ("train", "eval"):
+        stream = data.encode_documents(_documents(cfg, split), tok, cache=run_dir / f"{split}_tokens.npy")
+        rows = data.pack(stream, seq_len=cfg.data.seq_len)
+        if rows.shape[0] == 0:
+            raise ValueError(f"--data.corpus {cfg.data.corpus}: the {split} split has fewer than seq_len+1 tokens; "
+                             "use a larger corpus or a smaller --data.seq-len")
+        sets.append(data.PackedDataset(rows.long()))
+    return tok, sets[0], sets[1]
+
+
+def build_optimizer(o: OptimConfig, steps: int, params: Any) -> optim.Transform:
+    """The optimizer a recipe names: schedule, then AdamW or Muon+AdamW, behind clipping."""
+    final = o.lr * o.final_lr_fraction
+    if o.schedule == "cosine":
+        lr: Any = optim.warmup_cosine(o.lr, warmup=o.warmup, total=steps, final=final)
+    elif o.schedule == "wsd":
+        lr = optim.warmup_stable_decay(o.lr, warmup=o.warmup, total=steps, final=final)
+    else:
+        lr = optim.linear_warmup(o.lr, o.warmup)
+    if o.name == "muon":
+        inner = optim.muon_with_adamw(params, lr=lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
+                                      shape_scaling="match_rms_adamw")
+    else:
+        inner = optim.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    return optim.chain(optim.clip_by_global_norm(o.clip), inner) if o.clip > 0 else inner
+
+
+@torch.no_grad()
+def evaluate(loss_fn: Any, params: Any, ds: data.PackedDataset, *, batch_size: int, max_batches: int) -> float:
+    """Mean held-out loss over the first ``max_batches`` batches (in order, unshuffled)."""
+    losses = []
+    for i, batch in enumerate(data.eval_batches(ds, batch_size)):
+        if i == max_batches:
+            break
+        losses.append(float(loss_fn(params, batch)[0]))
+    return sum(losses) / len(losses)
+
+
+class _Metrics:
+    """metrics.jsonl (one record per line) + TensorBoard events, both under the run dir."""
+
+    def __init__(self, run_dir: Path, *, keep_until: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = run_dir / "metrics.jsonl"
+        # on resume, drop records past the checkpoint so the file reads as one uninterrupted run
+        old = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in old if json.loads(line)["step"] <= keep_until]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.records = [json.loads(line) for line in kept]
+        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=keep_until + 1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in record.items():
+            if k != "step":
+                self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+def _plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "train"), ("eval_loss", "held-out")):
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "eval_loss" else None, label=label)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".tmp.png"), dpi=110)
+    plt.close(fig)
+    path.with_suffix(".tmp.png").replace(path)
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run ``cfg``; returns the final metrics and where things were written."""
+    from tqdm import tqdm
+
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2, default=str) + "\n")
+    tok, train_ds, eval_ds = load_data(cfg, run_dir)
+
+    model = llama.model(cfg.model)
+    params = model.init(random.key(cfg.seed))
+    opt = build_optimizer(cfg.optim, cfg.steps, params)
+    loss_fn = next_token_loss(model)
+    step_fn = make_train_step(loss_fn, opt, accum_steps=cfg.accum_steps)
+    if cfg.compile:
+        step_fn = torch.compile(step_fn, fullgraph=True)
+    state: TrainState = init_state(params, opt, rng=random.key(cfg.seed))
+    loader = data.init_loader_state(cfg.seed)
+
+    ckpt_dir = run_dir / "checkpoints"
+    start = 0
+    if resume and (latest := checkpoint.latest(ckpt_dir)) is not None:
+        restored, manifest = checkpoint.load(latest, {"state": state, "loader": loader})
+        state, loader, start = restored["state"], restored["loader"], manifest.step
+    metrics = _Metrics(run_dir, keep_until=start)
+
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, unit="step")
+    last: dict[str, Any] = {}
+    busy, done = 0.0, 0  # training seconds and steps since the last record (evaluation excluded)
+    for i in bar:
+        t0 = time.perf_counter()
+        batch, loader = data.next_batch(train_ds, loader, cfg.data.batch_size)  # data
+        state, m = step_fn(state, batch)  # step
+        loss = float(m["loss"])  # CPU work is synchronous; on an accelerator this waits for the step
+        busy, done, step = busy + time.perf_counter() - t0, done + 1, i + 1
+        if step % cfg.log_every == 0 or step == cfg.steps:  # metrics
+            last = {"step": step, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                    "tokens_per_s": tokens_per_step * done / busy}
+            busy, done = 0.0, 0
+            metrics.log(last)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}")
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            ev = evaluate(loss_fn, state.params, eval_ds, batch_size=cfg.data.batch_size, max_batches=cfg.eval_batches)
+            metrics.log({"step": step, "eval_loss": ev})
+            bar.write(f"step {step}: held-out loss {ev:.4f}")
+        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:  # checkpoint
+            checkpoint.save(ckpt_dir, step, {"state": state, "loader": loader}, keep=cfg.keep,
+                            extra={"recipe": cfg.recipe})
+    bar.close()
+    metrics.close()
+    _plot(metrics.records, run_dir / "loss.png", f"{cfg.recipe}: {cfg.steps} steps")
+    evals = [r["eval_loss"] for r in metrics.records if "eval_loss" in r]
+    return {
+        "run_dir": str(run_dir),
+        "final_loss": last.get("loss", math.nan),
+        "eval_loss": evals[-1] if evals else math.nan,
+        "records": metrics.records,
+        "model": model,
+        "params": state.params,
+        "tokenizer": tok,
+    }
+
+
+def config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    """The ``TrainConfig`` a run wrote to its ``config.json``."""
+    model = dict(d["model"])
+    if model.get("rope_scaling") is not None:
+        model["rope_scaling"] = Llama3RopeScaling(**model["rope_scaling"])
+    return TrainConfig(**{**d, "model": llama.Config(**model), "optim": OptimConfig(**d["optim"]),
+                          "data": DataConfig(**d["data"])})
+
+
+def load_run(run_dir: str | Path) -> tuple[TrainConfig, Any, Any, data.Tokenizer, int]:
+    """``(cfg, model, params, tokenizer, step)`` from a run directory's newest valid checkpoint."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise FileNotFoundError(f"{run_dir}: no config.json here; pass the directory a `ftitan train` run wrote "
+                                "(runs/<recipe> by default)")
+    cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
+    latest = checkpoint.latest(run_dir / "checkpoints")
+    if latest is None:
+        raise FileNotFoundError(f"{run_dir}/checkpoints: no valid checkpoint yet; train longer or check the run")
+    model = llama.model(cfg.model)
+    params = model.init(random.key(cfg.seed))  # the structure to restore into
+    opt = build_optimizer(cfg.optim, cfg.steps, params)
+    like = {"state": init_state(params, opt), "loader": data.init_loader_state(cfg.seed)}
+    restored, manifest = checkpoint.load(latest, like)
+    return cfg, model, restored["state"].params, data.load_tokenizer(run_dir), manifest.step

@@ -1,0 +1,89 @@
+"""The training loop as a product: artifacts, falling loss, and SIGKILL + resume == uninterrupted."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ftitan as ft
+
+SCRIPT = """
+import sys, attrs, json
+from ftitan.config.schema import TrainConfig, DataConfig, OptimConfig
+from ftitan.models import llama
+from ftitan.train.trainer import train
+corpus, run_dir, steps, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
+cfg = TrainConfig(
+    recipe="tiny",
+    model=attrs.evolve(llama.Config.debug(), dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=384),
+    data=DataConfig(corpus=corpus, vocab_size=384, seq_len=32, batch_size=8),
+    optim=OptimConfig(warmup=4, lr=3e-3),
+    steps=steps, eval_every=10, eval_batches=2, log_every=1, ckpt_every=10, keep=2, compile=False, run_dir=run_dir,
+)
+out = train(cfg, resume=resume, progress=False)
+print(json.dumps({"final_loss": out["final_loss"], "eval_loss": out["eval_loss"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small real-text JSONL corpus: 120 standard-library modules."""
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    docs = [d for _, d in zip(range(120), ft.data.stdlib_corpus())]
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def _launch(tmp_path, corpus, run_dir, steps, resume=False):
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(corpus), str(run_dir), str(steps), "1" if resume else "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _losses(run_dir):
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if "loss" in r], [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+
+
+def test_run_writes_artifacts_and_loss_falls(tmp_path, corpus):
+    run = tmp_path / "run"
+    proc = _launch(tmp_path, corpus, run, 40)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    train_losses, eval_losses = _losses(run)
+    assert [s for s, _ in train_losses] == list(range(1, 41))
+    assert [s for s, _ in eval_losses] == [10, 20, 30, 40]
+    assert train_losses[-1][1] < train_losses[0][1] - 0.5
+    assert eval_losses[-1][1] < eval_losses[0][1]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert [p.name for p in ft.checkpoint.list_checkpoints(run / "checkpoints")] == ["step_00000030", "step_00000040"]
+    assert (run / "tokenizer.json").exists() and json.loads(out.strip().splitlines()[-1])["eval_loss"] == eval_losses[-1][1]
+
+
+def test_sigkill_then_resume_equals_uninterrupted_bit_for_bit(tmp_path, corpus):
+    steps = 40
+    full = _launch(tmp_path, corpus, tmp_path / "full", steps)
+    assert full.wait(timeout=300) == 0, full.stderr.read()[-3000:]
+
+    killed_dir = tmp_path / "killed"
+    victim = _launch(tmp_path, corpus, killed_dir, steps)
+    first = killed_dir / "checkpoints" / "step_00000010"
+    deadline = time.time() + 300
+    while not first.exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (killed_dir / "checkpoints" / f"step_{steps:08d}").exists()
+
+    resumed = _launch(tmp_path, corpus, killed_dir, steps, resume=True)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
+    assert _losses(killed_dir) == _losses(tmp_path / "full")  # floats compared exactly
