@@ -1,17 +1,82 @@
 """``ftitan`` / ``python -m ftitan``: the command line.
 
-Commands so far: ``ftitan bench step [--out FILE] [...]``.
+    ftitan train --recipe NAME [--resume] [--model.n-layers 4 --optim.lr 1e-3 ...]
+    ftitan generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S --n N]
+    ftitan bench step [--out FILE ...]
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-USAGE = """usage: ftitan bench step [options]   (see: ftitan bench step --help)"""
+import attrs
+import tyro
+
+USAGE = """usage:
+  ftitan train --recipe NAME [--resume] [dotted overrides, e.g. --optim.lr 1e-3]   (ftitan train --help)
+  ftitan generate --run DIR --prompt TEXT [options]                                (ftitan generate --help)
+  ftitan bench step [options]                                                      (ftitan bench step --help)"""
+
+
+@attrs.frozen(kw_only=True)
+class GenerateOptions:
+    """Sample text from a trained run (its newest valid checkpoint)."""
+
+    run: Path
+    """The run directory a `ftitan train` wrote (runs/<recipe> by default)."""
+    prompt: str = "def "
+    """Text to continue."""
+    max_new_tokens: int = 64
+    """Tokens to generate per sample."""
+    temperature: float = 0.8
+    """0 is greedy."""
+    top_k: int = 50
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 0.95
+    """Keep the smallest set of tokens with this much probability."""
+    seed: int = 0
+    """Sampling seed: the same seed gives the same samples."""
+    n: int = 1
+    """Number of samples."""
+
+
+def train_main(argv: list[str]) -> int:
+    from ftitan.config import parse_train_args
+    from ftitan.train.trainer import train
+
+    resume = "--resume" in argv
+    cfg = parse_train_args([a for a in argv if a != "--resume"])
+    out = train(cfg, resume=resume)
+    print(f"done: {cfg.steps} steps, final train loss {out['final_loss']:.4f}, held-out loss {out['eval_loss']:.4f}")
+    print(f"run directory: {out['run_dir']} (loss.png, metrics.jsonl, tensorboard/, checkpoints/)")
+    return 0
+
+
+def generate_main(argv: list[str]) -> int:
+    from ftitan import random
+    from ftitan.infer import generate_tokens
+    from ftitan.train.trainer import load_run
+
+    opts = tyro.cli(GenerateOptions, args=argv, prog="ftitan generate")
+    _cfg, model, params, tok, step = load_run(opts.run)
+    print(f"# {opts.run} at step {step}")
+    for i in range(opts.n):
+        ids = generate_tokens(
+            model, params, tok.encode(opts.prompt), max_new_tokens=opts.max_new_tokens,
+            key=random.fold_in(random.key(opts.seed), i), temperature=opts.temperature,
+            top_k=opts.top_k, top_p=opts.top_p, eos_id=tok.eos_id,
+        )
+        print(f"--- sample {i}\n{tok.decode(ids)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return train_main(argv[1:])
+    if argv[:1] == ["generate"]:
+        return generate_main(argv[1:])
     if argv[:2] == ["bench", "step"]:
         from ftitan.bench.step import main as bench_step
 

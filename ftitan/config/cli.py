@@ -1,0 +1,72 @@
+"""Command line: ``--recipe NAME`` picks a recipe, dotted ``tyro`` flags override its fields.
+
+    python -m ftitan.train --recipe llama3-debug --model.n-layers 2 --optim.lr 1e-3 \\
+        --data.seq-len 128 --compile False
+
+How flags are spelled (tyro 1.x, as configured here):
+
+- nested attrs fields are dotted, underscores become dashes:
+  ``model.n_layers`` -> ``--model.n-layers``, ``data.seq_len`` -> ``--data.seq-len``;
+  top-level fields have no prefix: ``--steps 100``, ``--accum-steps 2``;
+- booleans take a value (``tyro.conf.FlagConversionOff``): ``--compile False``,
+  ``--model.tie-embeddings True``;
+- ``model.rope_scaling`` is not a subcommand (``tyro.conf.AvoidSubcommands``):
+  when the recipe's model has it (llama3-1b/8b), its fields are flags
+  (``--model.rope-scaling.factor 4``); when it is ``None`` it cannot be set here.
+
+``--help`` lists every field with its comment and the recipe's value as default.
+Unknown flags and values the model rejects (``--model.dim 100``) make tyro print
+the culprit and exit with status 2 (``SystemExit``); the rest of the checks
+(``validate``) raise ``ValueError("--flag=value: fix")``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import tyro
+
+from ftitan.config.recipes import RECIPES, get_recipe
+from ftitan.config.schema import TrainConfig
+from ftitan.config.validate import validate
+
+__all__ = ["DEFAULT_RECIPE", "parse_train_args"]
+
+DEFAULT_RECIPE = "llama3-debug"
+_TYRO_CONFIG = (tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands)
+
+
+def _split_recipe(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """Pull ``--recipe NAME`` / ``--recipe=NAME`` out of ``argv``; the last one wins."""
+    name, rest, args = DEFAULT_RECIPE, [], list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--recipe":
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ValueError(f"--recipe needs a name; known recipes: {', '.join(sorted(RECIPES))}")
+            name, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--recipe="):
+            name = arg.removeprefix("--recipe=")
+        else:
+            rest.append(arg)
+        i += 1
+    return name, rest
+
+
+def parse_train_args(argv: Sequence[str], *, prog: str | None = None) -> TrainConfig:
+    """Build the run ``argv`` asks for: recipe, then dotted overrides, then ``validate``.
+
+    ``--recipe`` defaults to ``llama3-debug``. Raises ``ValueError`` for an
+    unknown recipe or a failed check; tyro raises ``SystemExit`` (2 for a bad
+    flag, 0 after ``--help``).
+    """
+    name, rest = _split_recipe(argv)
+    base = get_recipe(name)
+    description = (
+        f"Train with recipe {name!r} (choose with --recipe NAME; known: {', '.join(sorted(RECIPES))}). "
+        "Flags below override its fields."
+    )
+    cfg = tyro.cli(TrainConfig, default=base, args=rest, prog=prog, description=description, config=_TYRO_CONFIG)
+    return validate(cfg)

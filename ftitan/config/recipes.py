@@ -1,0 +1,108 @@
+"""Recipes: plain functions ``() -> TrainConfig``, registered by name.
+
+Recipes derive from each other by calling the parent and ``attrs.evolve``
+(TorchTitan style), so a variant states only what differs:
+
+>>> import attrs
+>>> from ftitan.config import recipes
+>>> def debug_long():  # decorate with @recipe("debug-long") to register it
+...     return attrs.evolve(recipes.llama3_debug(), steps=2000)
+>>> debug_long().steps, get_recipe("llama3-debug-muon").optim.name
+(2000, 'muon')
+
+The decorator stamps ``TrainConfig.recipe`` with the registered name, so a
+derived recipe never carries its parent's name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import types
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
+from ftitan.config.transforms import compose, with_layers, with_vocab
+from ftitan.models import llama
+
+__all__ = ["RECIPES", "Recipe", "get_recipe", "llama3_1b", "llama3_8b", "llama3_debug", "llama3_debug_muon", "recipe"]
+
+Recipe = Callable[[], TrainConfig]
+
+_REGISTRY: dict[str, Recipe] = {}
+RECIPES: Mapping[str, Recipe] = types.MappingProxyType(_REGISTRY)  # read-only view: name -> recipe
+
+
+def recipe(name: str) -> Callable[[Recipe], Recipe]:
+    """Register ``fn`` under ``name``; the returned function sets ``TrainConfig.recipe = name``."""
+
+    def register(fn: Recipe) -> Recipe:
+        if name in _REGISTRY:
+            raise ValueError(f"recipe {name!r} is already registered; pick another name")
+
+        @functools.wraps(fn)
+        def named() -> TrainConfig:
+            return attrs.evolve(fn(), recipe=name)
+
+        _REGISTRY[name] = named
+        return named
+
+    return register
+
+
+def get_recipe(name: str) -> TrainConfig:
+    """Build the recipe registered as ``name``; unknown names raise ``ValueError`` listing the known ones."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"--recipe {name!r} is not a known recipe; {hint}known recipes: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]()
+
+
+@recipe("llama3-debug")
+def llama3_debug() -> TrainConfig:
+    """Tiny Llama (D=256, L=4, V=2048) on stdlib source: ~3-4 min on 2 CPU cores, compiled."""
+    model = compose(with_layers(4), with_vocab(2048))(llama.Config.debug())
+    return TrainConfig(
+        recipe="llama3-debug",
+        model=model,
+        optim=OptimConfig(name="adamw", lr=3e-3, warmup=30, schedule="cosine"),
+        data=DataConfig(corpus="stdlib", vocab_size=model.vocab_size, seq_len=256, batch_size=16),
+        steps=300,
+        eval_every=50,
+        ckpt_every=100,
+    )
+
+
+@recipe("llama3-debug-muon")
+def llama3_debug_muon() -> TrainConfig:
+    """``llama3-debug`` with Muon on hidden matrices (AdamW on the rest)."""
+    base = llama3_debug()
+    return attrs.evolve(base, optim=attrs.evolve(base.optim, name="muon"))
+
+
+def _published(model: llama.Config, *, seq_len: int, batch_size: int) -> TrainConfig:
+    """A config around a published flavor: its vocabulary, AdamW at a pretraining-scale lr."""
+    return TrainConfig(
+        recipe="",
+        model=model,
+        optim=OptimConfig(name="adamw", lr=3e-4, warmup=200, schedule="cosine"),
+        data=DataConfig(corpus="stdlib", vocab_size=model.vocab_size, seq_len=seq_len, batch_size=batch_size),
+        steps=2000,
+        eval_every=200,
+        ckpt_every=500,
+    )
+
+
+@recipe("llama3-1b")
+def llama3_1b() -> TrainConfig:
+    """Llama 3.2 1B (published flavor, V=128256, tied embeddings)."""
+    return _published(llama.Config.llama3_2_1b(), seq_len=2048, batch_size=8)
+
+
+@recipe("llama3-8b")
+def llama3_8b() -> TrainConfig:
+    """Llama 3.1 8B (published flavor, V=128256)."""
+    return _published(llama.Config.llama3_1_8b(), seq_len=2048, batch_size=8)

@@ -1,0 +1,96 @@
+"""Model-config transforms: plain functions ``llama.Config -> llama.Config``.
+
+Each ``with_*(value)`` returns a transform; ``compose`` chains them left to
+right, so a recipe reads as a list of edits to a published flavor:
+
+>>> from ftitan.models import llama
+>>> small = compose(with_layers(2), with_vocab(4096))(llama.Config.debug())
+>>> small.n_layers, small.vocab_size
+(2, 4096)
+
+A transform that makes the model invalid raises ``ValueError`` naming the
+CLI flag (``--model.dim``), not just the attrs field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from ftitan.models import llama
+
+__all__ = [
+    "ModelTransform",
+    "compose",
+    "model_error",
+    "with_attn_impl",
+    "with_dim",
+    "with_layers",
+    "with_max_seq_len",
+    "with_model_fields",
+    "with_vocab",
+]
+
+ModelTransform = Callable[[llama.Config], llama.Config]
+
+# llama.Config messages look like "llama.Config.dim=..." or "llama.Config: dim=..."
+_MODEL_FIELD = re.compile(r"llama\.Config(?:\.|: )(\w+)=")
+
+
+def model_error(err: ValueError) -> ValueError:
+    """Re-word a ``llama.Config`` construction error so it names the CLI flag ``--model.<field>``."""
+    msg = str(err)
+    m = _MODEL_FIELD.search(msg)
+    field = f"--model.{m.group(1).replace('_', '-')}" if m else "--model"
+    return ValueError(f"{field}: {msg}")
+
+
+def with_model_fields(**changes: Any) -> ModelTransform:
+    """Transform setting arbitrary ``llama.Config`` fields (the model re-checks itself)."""
+
+    def transform(cfg: llama.Config) -> llama.Config:
+        try:
+            return attrs.evolve(cfg, **changes)
+        except ValueError as e:
+            raise model_error(e) from e
+
+    return transform
+
+
+def with_layers(n: int) -> ModelTransform:
+    """Transform setting the number of decoder blocks."""
+    return with_model_fields(n_layers=n)
+
+
+def with_vocab(v: int) -> ModelTransform:
+    """Transform setting the vocabulary size (keep ``data.vocab_size`` equal)."""
+    return with_model_fields(vocab_size=v)
+
+
+def with_dim(d: int, *, ffn_dim: int | None = None) -> ModelTransform:
+    """Transform setting the model width; ``ffn_dim`` defaults to ``3 * d`` (as the debug model)."""
+    return with_model_fields(dim=d, ffn_dim=3 * d if ffn_dim is None else ffn_dim)
+
+
+def with_max_seq_len(n: int) -> ModelTransform:
+    """Transform setting the longest sequence the model is meant for."""
+    return with_model_fields(max_seq_len=n)
+
+
+def with_attn_impl(impl: str) -> ModelTransform:
+    """Transform choosing the attention kernel ("sdpa" or "math")."""
+    return with_model_fields(attn_impl=impl)
+
+
+def compose(*fns: ModelTransform) -> ModelTransform:
+    """Chain transforms, applied left to right; ``compose()`` is the identity."""
+
+    def transform(cfg: llama.Config) -> llama.Config:
+        for fn in fns:
+            cfg = fn(cfg)
+        return cfg
+
+    return transform

@@ -1,0 +1,110 @@
+"""Whole-run checks: ``validate(cfg)`` raises ``ValueError`` naming the CLI flag and the fix.
+
+Each field is checked alone where it can be (``--optim.lr``), then the
+cross-field rules (``--model.vocab-size`` vs ``--data.vocab-size``). The
+model's own checks (``llama.Config.__attrs_post_init__``) are re-run and
+re-worded to name ``--model.<field>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from ftitan.config.schema import TrainConfig
+from ftitan.config.transforms import model_error
+
+__all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
+
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")  # what ftitan.train.trainer.build_optimizer builds
+SCHEDULES: tuple[str, ...] = ("cosine", "wsd", "constant")
+MIN_VOCAB = 257  # byte-level BPE: 256 byte tokens plus at least one merge / special token
+_CORPUS_SUFFIXES = (".txt", ".jsonl")
+
+
+def _fail(flag: str, value: object, fix: str) -> ValueError:
+    return ValueError(f"{flag}={value!r}: {fix}")
+
+
+def _check_model(cfg: TrainConfig) -> None:
+    try:
+        attrs.evolve(cfg.model)  # re-runs llama.Config.__attrs_post_init__
+    except ValueError as e:
+        raise model_error(e) from e
+
+
+def _check_optim(cfg: TrainConfig) -> None:
+    o = cfg.optim
+    if o.name not in OPTIMIZERS:
+        raise _fail("--optim.name", o.name, f"expected one of {OPTIMIZERS}")
+    if o.schedule not in SCHEDULES:
+        raise _fail("--optim.schedule", o.schedule, f"expected one of {SCHEDULES}")
+    if not o.lr > 0:
+        raise _fail("--optim.lr", o.lr, "the learning rate must be > 0")
+    if o.warmup < 0:
+        raise _fail("--optim.warmup", o.warmup, "warmup steps must be >= 0")
+    if o.warmup > cfg.steps:
+        raise _fail("--optim.warmup", o.warmup, f"warmup exceeds --steps={cfg.steps}; lower it or raise --steps")
+    if not 0 <= o.final_lr_fraction <= 1:
+        raise _fail("--optim.final-lr-fraction", o.final_lr_fraction, "must lie in [0, 1]")
+    if not o.weight_decay >= 0:
+        raise _fail("--optim.weight-decay", o.weight_decay, "must be >= 0")
+    for flag, beta in (("--optim.b1", o.b1), ("--optim.b2", o.b2)):
+        if not 0 <= beta < 1:
+            raise _fail(flag, beta, "an Adam beta must lie in [0, 1)")
+    if not o.clip >= 0:
+        raise _fail("--optim.clip", o.clip, "must be >= 0 (0 disables clipping)")
+
+
+def _check_data(cfg: TrainConfig) -> None:
+    d = cfg.data
+    if d.corpus != "stdlib" and not (d.corpus.endswith(_CORPUS_SUFFIXES) and Path(d.corpus).is_file()):
+        raise _fail("--data.corpus", d.corpus, "use 'stdlib' or the path of an existing .txt / .jsonl file")
+    if d.vocab_size < MIN_VOCAB:
+        raise _fail("--data.vocab-size", d.vocab_size, f"byte-level BPE needs >= {MIN_VOCAB} (256 bytes + merges)")
+    if d.seq_len < 1:
+        raise _fail("--data.seq-len", d.seq_len, "must be >= 1")
+    if d.batch_size < 1:
+        raise _fail("--data.batch-size", d.batch_size, "must be >= 1")
+
+
+def _check_loop(cfg: TrainConfig) -> None:
+    if cfg.steps < 1:
+        raise _fail("--steps", cfg.steps, "train for at least 1 step")
+    if cfg.accum_steps < 1:
+        raise _fail("--accum-steps", cfg.accum_steps, "must be >= 1")
+    for flag, value in (("--eval-every", cfg.eval_every), ("--ckpt-every", cfg.ckpt_every),
+                        ("--log-every", cfg.log_every)):  # fmt: skip
+        if value < 0:
+            raise _fail(flag, value, "an interval must be >= 0 (0: only at the end)")
+    if cfg.eval_batches < 1:
+        raise _fail("--eval-batches", cfg.eval_batches, "evaluate at least 1 batch")
+    if cfg.keep < 1:
+        raise _fail("--keep", cfg.keep, "keep at least 1 checkpoint")
+
+
+def _check_cross(cfg: TrainConfig) -> None:
+    m, d = cfg.model, cfg.data
+    if m.vocab_size != d.vocab_size:
+        raise ValueError(
+            f"--model.vocab-size={m.vocab_size} != --data.vocab-size={d.vocab_size}: the tokenizer's vocabulary "
+            f"must match the embedding; set both to the same value"
+        )
+    if d.seq_len > m.max_seq_len:
+        raise _fail("--data.seq-len", d.seq_len, f"exceeds --model.max-seq-len={m.max_seq_len}; lower one or raise the other")
+    if d.batch_size % cfg.accum_steps:
+        raise _fail(
+            "--data.batch-size", d.batch_size,
+            f"not divisible by --accum-steps={cfg.accum_steps}; each micro-batch must be whole",
+        )  # fmt: skip
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check a run; return it unchanged, or raise ``ValueError("--flag=value: fix")``."""
+    _check_model(cfg)
+    _check_loop(cfg)
+    _check_optim(cfg)
+    _check_data(cfg)
+    _check_cross(cfg)
+    return cfg
