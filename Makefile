@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
-.PHONY: install test test-all bench clean
+.PHONY: install demo test test-all bench clean
 
 $(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,6 +13,10 @@ $(BIN)/.installed: pyproject.toml setup.py
 	touch $@
 
 install: $(BIN)/.installed
+
+demo: install
+	$(BIN)/python -m ftitan train --recipe llama3-debug
+	$(BIN)/python -m ftitan generate --run runs/llama3-debug --n 3 --prompt "def "
 
 test: install
 	$(BIN)/python -m pytest

@@ -46,7 +46,11 @@ def train_main(argv: list[str]) -> int:
     from ftitan.train.trainer import train
 
     resume = "--resume" in argv
-    cfg = parse_train_args([a for a in argv if a != "--resume"])
+    try:
+        cfg = parse_train_args([a for a in argv if a != "--resume"])
+    except ValueError as e:  # a bad setting: say which flag and how to fix it, no traceback
+        print(f"ftitan train: error: {e}", file=sys.stderr)
+        return 2
     out = train(cfg, resume=resume)
     print(f"done: {cfg.steps} steps, final train loss {out['final_loss']:.4f}, held-out loss {out['eval_loss']:.4f}")
     print(f"run directory: {out['run_dir']} (loss.png, metrics.jsonl, tensorboard/, checkpoints/)")
@@ -59,7 +63,11 @@ def generate_main(argv: list[str]) -> int:
     from ftitan.train.trainer import load_run
 
     opts = tyro.cli(GenerateOptions, args=argv, prog="ftitan generate")
-    _cfg, model, params, tok, step = load_run(opts.run)
+    try:
+        _cfg, model, params, tok, step = load_run(opts.run)
+    except FileNotFoundError as e:
+        print(f"ftitan generate: error: {e}", file=sys.stderr)
+        return 2
     print(f"# {opts.run} at step {step}")
     for i in range(opts.n):
         ids = generate_tokens(

@@ -63,14 +63,18 @@ def get_recipe(name: str) -> TrainConfig:
 
 @recipe("llama3-debug")
 def llama3_debug() -> TrainConfig:
-    """Tiny Llama (D=256, L=4, V=2048) on stdlib source: ~3-4 min on 2 CPU cores, compiled."""
+    """Tiny Llama (D=256, L=4, V=2048) on stdlib source: ~4 min on 2 CPU cores, compiled.
+
+    8 x 256 tokens per step at ~3,000 tokens/s (measured on a 2-core EPYC),
+    plus about a minute of first-time compilation and 15 s of tokenization.
+    """
     model = compose(with_layers(4), with_vocab(2048))(llama.Config.debug())
     return TrainConfig(
         recipe="llama3-debug",
         model=model,
         optim=OptimConfig(name="adamw", lr=3e-3, warmup=30, schedule="cosine"),
-        data=DataConfig(corpus="stdlib", vocab_size=model.vocab_size, seq_len=256, batch_size=16),
-        steps=300,
+        data=DataConfig(corpus="stdlib", vocab_size=model.vocab_size, seq_len=256, batch_size=8),
+        steps=250,
         eval_every=50,
         ckpt_every=100,
     )

@@ -25,9 +25,9 @@ def test_debug_recipe_values():
     cfg = config.get_recipe("llama3-debug")
     m = cfg.model
     assert (m.vocab_size, m.dim, m.n_layers) == (2048, 256, 4)
-    assert (cfg.data.vocab_size, cfg.data.seq_len, cfg.data.batch_size) == (2048, 256, 16)
+    assert (cfg.data.vocab_size, cfg.data.seq_len, cfg.data.batch_size) == (2048, 256, 8)
     assert (cfg.optim.name, cfg.optim.lr) == ("adamw", 3e-3)
-    assert (cfg.steps, cfg.eval_every, cfg.ckpt_every) == (300, 50, 100)
+    assert (cfg.steps, cfg.eval_every, cfg.ckpt_every) == (250, 50, 100)
 
 
 def test_muon_recipe_is_debug_but_for_the_optimizer():

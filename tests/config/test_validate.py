@@ -72,7 +72,7 @@ def test_valid_variants_pass(tmp_path):
     for corpus in ("c.txt", "c.jsonl"):
         (tmp_path / corpus).write_text("hello")
         config.validate(_with(_base(), data__corpus=str(tmp_path / corpus)))
-    config.validate(_with(_base(), accum_steps=4, eval_every=0, ckpt_every=0, log_every=0, optim__warmup=300))
+    config.validate(_with(_base(), accum_steps=4, eval_every=0, ckpt_every=0, log_every=0, optim__warmup=250))
 
 
 def test_model_checks_surface_with_the_model_prefix():
