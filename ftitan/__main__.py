@@ -47,7 +47,7 @@ def train_main(argv: list[str]) -> int:
 
     resume = "--resume" in argv
     try:
-        cfg = parse_train_args([a for a in argv if a != "--resume"])
+        cfg = parse_train_args([a for a in argv if a != "--resume"], prog="ftitan train")
     except ValueError as e:  # a bad setting: say which flag and how to fix it, no traceback
         print(f"ftitan train: error: {e}", file=sys.stderr)
         return 2

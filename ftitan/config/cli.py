@@ -1,6 +1,6 @@
 """Command line: ``--recipe NAME`` picks a recipe, dotted ``tyro`` flags override its fields.
 
-    python -m ftitan.train --recipe llama3-debug --model.n-layers 2 --optim.lr 1e-3 \\
+    python -m ftitan train --recipe llama3-debug --model.n-layers 2 --optim.lr 1e-3 \\
         --data.seq-len 128 --compile False
 
 How flags are spelled (tyro 1.x, as configured here):

@@ -138,7 +138,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(attrs.asdict(cfg), indent=2, default=str) + "\n")
+    cfg_dict = attrs.asdict(cfg)
+    (run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     tok, train_ds, eval_ds = load_data(cfg, run_dir)
 
     model = llama.model(cfg.model)
@@ -180,7 +181,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
             bar.write(f"step {step}: held-out loss {ev:.4f}")
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:  # checkpoint
             checkpoint.save(ckpt_dir, step, {"state": state, "loader": loader}, keep=cfg.keep,
-                            extra={"recipe": cfg.recipe})
+                            extra={"config": cfg_dict})
     bar.close()
     metrics.close()
     _plot(metrics.records, run_dir / "loss.png", f"{cfg.recipe}: {cfg.steps} steps")
@@ -211,10 +212,10 @@ def load_run(run_dir: str | Path) -> tuple[TrainConfig, Any, Any, data.Tokenizer
     if not (run_dir / "config.json").exists():
         raise FileNotFoundError(f"{run_dir}: no config.json here; pass the directory a `ftitan train` run wrote "
                                 "(runs/<recipe> by default)")
-    cfg = config_from_dict(json.loads((run_dir / "config.json").read_text()))
     latest = checkpoint.latest(run_dir / "checkpoints")
     if latest is None:
         raise FileNotFoundError(f"{run_dir}/checkpoints: no valid checkpoint yet; train longer or check the run")
+    cfg = config_from_dict(checkpoint.read_manifest(latest).extra["config"])  # the config these weights came from
     model = llama.model(cfg.model)
     params = model.init(random.key(cfg.seed))  # the structure to restore into
     opt = build_optimizer(cfg.optim, cfg.steps, params)

@@ -65,6 +65,9 @@ def test_run_writes_artifacts_and_loss_falls(tmp_path, corpus):
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert [p.name for p in ft.checkpoint.list_checkpoints(run / "checkpoints")] == ["step_00000030", "step_00000040"]
+    manifest = ft.checkpoint.read_manifest(ft.checkpoint.latest(run / "checkpoints"))
+    assert manifest.step == 40 and manifest.extra["config"]["steps"] == 40  # the config travels with the weights
+    assert {p.split(".")[0] for p in (x.path for x in manifest.leaves)} == {"state", "loader"}
     assert (run / "tokenizer.json").exists() and json.loads(out.strip().splitlines()[-1])["eval_loss"] == eval_losses[-1][1]
 
 
