@@ -14,7 +14,7 @@ import torch
 
 from ftitan import tree
 
-__all__ = ["ApplyFn", "InitFn", "Model"]
+__all__ = ["ApplyAuxFn", "ApplyFn", "InitFn", "Model", "drop_aux"]
 
 
 class InitFn(Protocol):
@@ -35,6 +35,36 @@ class ApplyFn(Protocol):
     ) -> tuple[torch.Tensor, Any]: ...
 
 
+class ApplyAuxFn(Protocol):
+    """``apply`` that also returns ``aux``: a flat ``dict[str, Tensor]`` of auxiliary outputs.
+
+    ``aux["loss"]`` (0-d, already weighted by its coefficient) is added to the
+    training loss by ``ftitan.train.next_token_loss``; every other entry
+    (e.g. ``"moe.tokens_per_expert"`` (L_moe, E), ``"moe.aux_loss"``) is a
+    metric of the step.
+    """
+
+    def __call__(
+        self,
+        params: tree.Tree,
+        tokens: torch.Tensor,  # (B, T) int
+        *,
+        positions: torch.Tensor | None = ...,
+        cache: Any = ...,
+        logits: bool = ...,
+    ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]: ...
+
+
+def drop_aux(apply_with_aux: ApplyAuxFn) -> ApplyFn:
+    """The plain ``apply`` of an ``apply_with_aux``: ``(out, cache)`` without the aux dict."""
+
+    def apply(params: tree.Tree, tokens: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        out, cache, _ = apply_with_aux(params, tokens, **kwargs)
+        return out, cache
+
+    return apply
+
+
 class Model(NamedTuple):
     """A model family instantiated for one config.
 
@@ -51,7 +81,16 @@ class Model(NamedTuple):
       embedding table when tied).
     - ``param_axes``: tree of logical-axis tuples, one per param leaf.
     - ``flops_per_token(seq_len) -> float``: training (forward + backward)
-      FLOPs per token, see the family's docstring for the formula.
+      FLOPs per token, see the family's docstring for the formula (MoE
+      families count active parameters only).
+    - ``apply_with_aux`` (MoE families; ``None`` otherwise): ``apply`` that
+      also returns the aux dict (router load, load-balancing loss), see
+      :class:`ApplyAuxFn`.
+    - ``frozen``: glob patterns of leaves that are state, not weights (e.g.
+      DeepSeek-V3's routing bias): optimizers leave them unchanged.
+    - ``update_buffers(params, metrics) -> params`` (or ``None``): the pure
+      update of the frozen leaves after each optimizer step, from the
+      step's metrics (e.g. the aux-loss-free balancing bias from expert load).
     """
 
     config: Any
@@ -60,3 +99,6 @@ class Model(NamedTuple):
     head: Callable[[tree.Tree], torch.Tensor]
     param_axes: tree.Tree
     flops_per_token: Callable[[int], float]
+    apply_with_aux: ApplyAuxFn | None = None
+    frozen: tuple[str, ...] = ()
+    update_buffers: Callable[[tree.Tree, dict[str, torch.Tensor]], tree.Tree] | None = None

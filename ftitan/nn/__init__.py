@@ -2,7 +2,8 @@
 
 Logical axis names used by the layers: ``"vocab"``, ``"embed"`` (model dim),
 ``"heads"`` (query heads x head_dim), ``"kv_heads"`` (kv heads x head_dim),
-``"mlp"`` (feed-forward hidden), ``"norm"`` (norm scales).
+``"mlp"`` (feed-forward hidden), ``"norm"`` (norm scales), ``"experts"``
+(the expert dim of stacked MoE weights).
 
 A model collects layer specs into a tree shaped like its params, then
 ``init(specs, key)`` draws every leaf from ``fold_in(key, path)`` and
@@ -13,7 +14,9 @@ layer's params from a key directly.
 from ftitan.nn.attention import AttentionImpl, attention, causal_mask
 from ftitan.nn.embedding import EMBED_AXES, embed, embed_param, init_embed
 from ftitan.nn.linear import bias_param, init_linear, linear, linear_param
+from ftitan.nn import moe
 from ftitan.nn.mlp import init_swiglu, swiglu, swiglu_params
+from ftitan.nn.moe import MoEConfig, MoEStats, moe_params
 from ftitan.nn.norm import NORM_AXES, init_norm, norm_param, rms_norm
 from ftitan.nn.param import (
     Initializer,
@@ -34,6 +37,8 @@ __all__ = [
     "AttentionImpl",
     "Initializer",
     "Llama3RopeScaling",
+    "MoEConfig",
+    "MoEStats",
     "Param",
     "apply_rope",
     "attention",
@@ -49,6 +54,8 @@ __all__ = [
     "init_swiglu",
     "linear",
     "linear_param",
+    "moe",
+    "moe_params",
     "norm_param",
     "normal_init",
     "ones_init",

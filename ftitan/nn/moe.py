@@ -1,0 +1,277 @@
+"""Mixture-of-experts feed-forward: route -> dispatch -> experts -> combine.
+
+One layer serves every MoE family (Qwen3-MoE, DeepSeek-V3, Kimi K2):
+
+- **route** (:func:`route`): a linear router (computed in fp32) scores the
+  experts, ``softmax`` (Qwen3-MoE; Switch Transformer, Fedus et al. 2021)
+  or ``sigmoid`` (DeepSeek-V3). Optionally a balancing bias is added to the
+  scores *for selection only* (DeepSeek-V3's auxiliary-loss-free balancing,
+  Wang et al. 2024), experts are first narrowed to the best ``topk_groups``
+  of ``n_groups`` groups (group score: sum of its two best scores), then the
+  ``top_k`` experts are taken; their weights are the unbiased scores,
+  renormalized to sum to 1 if ``norm_topk``, times ``routed_scale``.
+- **dispatch** (:func:`dispatch`): the ``N * top_k`` (token, expert) pairs
+  are sorted by expert (stable), giving one contiguous row block per expert
+  and ``offs``, the cumulative row ends.
+- **experts** (:func:`experts_forward`): every expert's SwiGLU on its block
+  in three grouped matmuls (``ftitan.kernels.grouped_mm``) over the experts'
+  stacked 3D weights: no Python loop over experts.
+- **combine** (:func:`combine`): rows go back to token order, are weighted
+  by their routing weights and summed over the ``top_k`` choices; shared
+  experts (a plain SwiGLU every token passes through) are added.
+
+These are separate pure functions so expert parallelism can put an
+all-to-all between dispatch and experts and between experts and combine.
+:func:`moe` composes them and returns per-layer :class:`MoEStats`;
+:func:`moe_aux` turns the stats of all layers into the model's aux dict
+(load-balancing loss, tokens per expert). :func:`update_router_bias` is the
+pure state update of the balancing bias, outside the gradient.
+
+Params (``moe_params``)::
+
+    {"router": (E, D),
+     "router_bias": (E,),                               # score_bias only; state, not trained
+     "experts": {"w1": (E, F, D), "w2": (E, D, F), "w3": (E, F, D)},
+     "shared": {"w1": (S, D), "w2": (D, S), "w3": (S, D)}}   # S = n_shared_experts * F
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+import torch
+
+from ftitan.kernels.grouped_mm import grouped_mm
+from ftitan.nn.linear import linear
+from ftitan.nn.mlp import swiglu, swiglu_params
+from ftitan.nn.param import Param, truncated_normal_init, zeros_init
+
+__all__ = [
+    "SCORE_FUNCS",
+    "Dispatch",
+    "MoEConfig",
+    "MoEStats",
+    "Routing",
+    "combine",
+    "dispatch",
+    "experts_forward",
+    "experts_reference",
+    "load_balancing_loss",
+    "moe",
+    "moe_aux",
+    "moe_params",
+    "route",
+    "update_router_bias",
+]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def _positive_int(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"MoEConfig.{attr.name}={value!r}: must be a positive int")
+
+
+@attrs.frozen(kw_only=True)
+class MoEConfig:
+    """One MoE feed-forward layer's routing and expert shapes."""
+
+    n_experts: int = attrs.field(validator=_positive_int)  # E: routed experts
+    top_k: int = attrs.field(validator=_positive_int)  # experts each token is sent to
+    expert_dim: int = attrs.field(validator=_positive_int)  # F: SwiGLU hidden width of one routed expert
+    n_shared_experts: int = 0  # shared experts every token passes through, fused into one SwiGLU of width n*F
+    score_func: str = "softmax"  # "softmax" (Qwen3-MoE) or "sigmoid" (DeepSeek-V3) over router logits
+    norm_topk: bool = True  # renormalize the top_k weights to sum to 1
+    n_groups: int = attrs.field(default=1, validator=_positive_int)  # expert groups for group-limited routing
+    topk_groups: int = attrs.field(default=1, validator=_positive_int)  # groups a token may choose from
+    routed_scale: float = 1.0  # multiplies the routed weights (DeepSeek-V3's routed_scaling_factor)
+    score_bias: bool = False  # aux-loss-free balancing bias, added to scores for expert selection only
+    aux_loss_coef: float = 0.0  # weight of the Switch load-balancing loss added to the training loss
+    bias_update_rate: float = 0.001  # step of the balancing-bias update (DeepSeek-V3's gamma)
+
+    def __attrs_post_init__(self) -> None:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"MoEConfig: top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"MoEConfig.score_func={self.score_func!r}: expected one of {SCORE_FUNCS}")
+        if self.n_experts % self.n_groups:
+            raise ValueError(
+                f"MoEConfig: n_experts={self.n_experts} is not divisible by n_groups={self.n_groups}; "
+                f"groups must be equal-sized"
+            )
+        if self.topk_groups > self.n_groups:
+            raise ValueError(f"MoEConfig: topk_groups={self.topk_groups} exceeds n_groups={self.n_groups}")
+        per_group = self.n_experts // self.n_groups
+        if self.n_groups > 1 and (per_group < 2 or self.top_k > self.topk_groups * per_group):
+            raise ValueError(
+                f"MoEConfig: group-limited routing needs >= 2 experts per group and top_k <= "
+                f"topk_groups * experts_per_group; got {per_group} per group, top_k={self.top_k}, "
+                f"topk_groups={self.topk_groups}"
+            )
+        if self.n_shared_experts < 0 or self.aux_loss_coef < 0 or self.bias_update_rate < 0:
+            raise ValueError("MoEConfig: n_shared_experts, aux_loss_coef and bias_update_rate must be >= 0")
+
+
+def moe_params(dim: int, cfg: MoEConfig, *, std: float = 0.02, out_std: float | None = None) -> dict[str, Any]:
+    """Spec tree of one MoE layer (see the module docstring); ``out_std`` is for the down projections."""
+    e, f = cfg.n_experts, cfg.expert_dim
+    out_std = std if out_std is None else out_std
+    specs: dict[str, Any] = {
+        "router": Param(shape=(e, dim), axes=("experts", "embed"), init=truncated_normal_init(std)),
+        "experts": {
+            "w1": Param(shape=(e, f, dim), axes=("experts", "mlp", "embed"), init=truncated_normal_init(std)),
+            "w2": Param(shape=(e, dim, f), axes=("experts", "embed", "mlp"), init=truncated_normal_init(out_std)),
+            "w3": Param(shape=(e, f, dim), axes=("experts", "mlp", "embed"), init=truncated_normal_init(std)),
+        },
+    }
+    if cfg.score_bias:
+        specs["router_bias"] = Param(shape=(e,), axes=("experts",), init=zeros_init)
+    if cfg.n_shared_experts:
+        specs["shared"] = swiglu_params(dim, cfg.n_shared_experts * f, std=std, out_std=out_std)
+    return specs
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # (N, k) x.dtype: weight of each chosen expert's output
+    experts: torch.Tensor  # (N, k) int64: chosen expert ids
+    probs: torch.Tensor  # (N, E) fp32: normalized router probabilities (for the balancing loss)
+
+
+class Dispatch(NamedTuple):
+    x: torch.Tensor  # (N*k, D): token rows sorted by expert
+    offs: torch.Tensor  # (E,) int32: cumulative row ends per expert
+    order: torch.Tensor  # (N*k,) int64: sorted row i holds flat (token, choice) pair order[i]
+    counts: torch.Tensor  # (E,) fp32: rows per expert
+
+
+class MoEStats(NamedTuple):
+    counts: torch.Tensor  # (E,) fp32: (token, expert) assignments per expert
+    prob_sum: torch.Tensor  # (E,) fp32: router probability mass per expert, summed over tokens
+    n_tokens: torch.Tensor  # () fp32: tokens routed
+
+
+def _group_limit(choice: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:  # (N, E) -> (N, E)
+    n = choice.shape[0]
+    grouped = choice.view(n, cfg.n_groups, cfg.n_experts // cfg.n_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1.0)
+    return grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).view(n, cfg.n_experts)
+
+
+def route(x: torch.Tensor, p: Mapping[str, torch.Tensor], cfg: MoEConfig) -> Routing:
+    """Choose ``top_k`` experts per row of ``x`` (N, D) and their weights (see module docstring)."""
+    logits = linear(x.float(), p["router"].float())  # (N, E) fp32 whatever the param dtype
+    if cfg.score_func == "softmax":
+        scores = probs = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdim=True)
+    choice = scores + p["router_bias"].float() if cfg.score_bias else scores
+    if cfg.n_groups > 1:
+        choice = _group_limit(choice, cfg)
+    experts = choice.topk(cfg.top_k, dim=-1).indices  # (N, k)
+    weights = scores.gather(1, experts)  # unbiased scores: the bias steers selection only
+    if cfg.norm_topk:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    if cfg.routed_scale != 1.0:
+        weights = weights * cfg.routed_scale
+    return Routing(weights.to(x.dtype), experts, probs)
+
+
+def dispatch(x: torch.Tensor, routing: Routing, n_experts: int) -> Dispatch:
+    """Copy each token once per chosen expert and sort the rows by expert (stable)."""
+    flat = routing.experts.reshape(-1)  # (N*k,)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.float32)
+    )
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    return Dispatch(x[order // routing.experts.shape[1]], offs, order, counts)
+
+
+def experts_forward(
+    x: torch.Tensor,  # (M, D) rows sorted by expert
+    offs: torch.Tensor,  # (E,) int32 cumulative row ends
+    w1: torch.Tensor,  # (E, F, D) gate
+    w2: torch.Tensor,  # (E, D, F) down
+    w3: torch.Tensor,  # (E, F, D) up
+) -> torch.Tensor:  # (M, D)
+    """Each expert's SwiGLU on its own row block, as three grouped matmuls."""
+    gate = grouped_mm(x, w1.transpose(-2, -1), offs)
+    up = grouped_mm(x, w3.transpose(-2, -1), offs)
+    return grouped_mm(gate * torch.sigmoid(gate) * up, w2.transpose(-2, -1), offs)
+
+
+def experts_reference(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
+    """Naive per-expert loop over unsorted tokens (eager; the reference for tests): ``(N, D)``."""
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        token, choice = torch.where(routing.experts == e)
+        if token.numel():
+            y = swiglu(x[token], w1[e], w2[e], w3[e])
+            out = out.index_add(0, token, y * routing.weights[token, choice, None])
+    return out
+
+
+def combine(y: torch.Tensor, d: Dispatch, routing: Routing) -> torch.Tensor:  # (N*k, D) -> (N, D)
+    """Back to token order, weight by the routing weights, sum over the ``top_k`` choices."""
+    n, k = routing.experts.shape
+    inverse = torch.empty_like(d.order).scatter_(0, d.order, torch.arange(d.order.numel(), device=d.order.device))
+    per_choice = y[inverse].view(n, k, -1)  # gather, not scatter-add: deterministic on every backend
+    return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
+
+
+def moe(x: torch.Tensor, p: Mapping[str, Any], cfg: MoEConfig) -> tuple[torch.Tensor, MoEStats]:
+    """The MoE feed-forward of ``x`` (B, T, D) (or (N, D)), and this layer's routing statistics."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    routing = route(x2, p, cfg)
+    d = dispatch(x2, routing, cfg.n_experts)
+    ex = p["experts"]
+    out = combine(experts_forward(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing)
+    if cfg.n_shared_experts:
+        out = out + swiglu(x2, **p["shared"])
+    n = torch.tensor(float(x2.shape[0]), device=x.device)
+    return out.view(shape), MoEStats(d.counts, routing.probs.sum(0), n)
+
+
+def load_balancing_loss(stats: Sequence[MoEStats]) -> torch.Tensor:
+    """Switch Transformer's balancing loss over all MoE layers: ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is the fraction of rows (tokens x layers) routed to expert ``e``
+    (counting every top-k choice, so ``sum_e f_e = k``) and ``P_e`` the mean
+    router probability of ``e``, both pooled over the layers first, as
+    ``transformers``' ``load_balancing_loss_func`` does. Minimal (= k) when
+    routing is uniform.
+    """
+    counts = torch.stack([s.counts for s in stats]).sum(0)
+    probs = torch.stack([s.prob_sum for s in stats]).sum(0)
+    rows = torch.stack([s.n_tokens for s in stats]).sum()
+    return counts.numel() * torch.sum((counts / rows) * (probs / rows))
+
+
+def moe_aux(stats: Sequence[MoEStats], cfg: MoEConfig) -> dict[str, torch.Tensor]:
+    """A model's aux dict from its MoE layers' stats (see ``ftitan.models.base.ApplyAuxFn``).
+
+    - ``"loss"``: ``aux_loss_coef * moe.aux_loss`` (added to the training loss)
+    - ``"moe.aux_loss"``: :func:`load_balancing_loss` (a metric when the coef is 0)
+    - ``"moe.tokens_per_expert"``: ``(L_moe, E)`` assignments per layer and expert
+    - ``"moe.max_load"``: the most loaded expert's count over the mean count,
+      worst layer (1.0 is perfectly balanced; ``E / k`` is full collapse)
+    """
+    tokens = torch.stack([s.counts for s in stats])  # (L, E)
+    lb = load_balancing_loss(stats)
+    max_load = (tokens.amax(-1) / tokens.mean(-1).clamp(min=1e-9)).amax()
+    return {"loss": cfg.aux_loss_coef * lb, "moe.aux_loss": lb, "moe.tokens_per_expert": tokens, "moe.max_load": max_load}
+
+
+def update_router_bias(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing (DeepSeek-V3 sec. 2.1.2): ``bias + rate * sign(mean_load - load)``.
+
+    Overloaded experts become less likely to be chosen, underloaded ones more;
+    the bias only affects selection, never the weights, so it needs no gradient.
+    """
+    load = tokens_per_expert.to(bias.dtype)
+    return bias + rate * torch.sign(load.mean() - load)
