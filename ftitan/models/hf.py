@@ -37,6 +37,7 @@ __all__ = [
     "WeightMap",
     "config_from_hf",
     "config_to_hf",
+    "families",
     "family_of",
     "from_hf",
     "load_hf",
@@ -94,6 +95,11 @@ def register_family(family: Family) -> Family:
     _BY_CONFIG[family.config_type] = family
     _BY_MODEL_TYPE[family.model_type] = family
     return family
+
+
+def families() -> list[Family]:
+    """Every registered family (one per config class)."""
+    return list(_BY_CONFIG.values())
 
 
 def family_of(cfg_or_model_type: Any) -> Family:

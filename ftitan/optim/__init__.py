@@ -20,6 +20,7 @@ step (``torch.compile(fullgraph=True)``) does not recompile as they change.
 
 from ftitan.optim.adam import ScaleByAdamState, adamw, scale_by_adam
 from ftitan.optim.clipping import clip_by_global_norm
+from ftitan.optim.frozen import freeze
 from ftitan.optim.learning_rate import (
     ScaleByLearningRateState,
     current_lr,
@@ -58,6 +59,7 @@ __all__ = [
     "Transform",
     "adamw",
     "add_decayed_weights",
+    "freeze",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

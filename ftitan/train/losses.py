@@ -118,15 +118,26 @@ def next_token_loss(
     ``batch`` is ``{"inputs": (B, T) int64, "targets": (B, T) int64}`` with
     ``IGNORE_INDEX`` where no loss is taken (padding, prompts). The model runs
     with ``logits=False`` and the head is applied inside the chunked loss.
-    ``aux["n_tokens"]`` counts the tokens that carry loss.
+    ``aux["n_tokens"]`` counts the tokens that carry loss. For a model with
+    ``apply_with_aux`` (MoE), its ``aux["loss"]`` (the weighted balancing
+    loss) is added to the loss, ``aux["ce_loss"]`` is the cross-entropy
+    alone, and the model's other aux entries (router load) are passed on.
     """
 
     def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inputs, targets = batch["inputs"], batch["targets"]
-        h, _ = model.apply(params, inputs, logits=False)  # (B, T, D)
+        if model.apply_with_aux is None:
+            (h, _), model_aux = model.apply(params, inputs, logits=False), {}  # h: (B, T, D)
+        else:
+            h, _, model_aux = model.apply_with_aux(params, inputs, logits=False)
         loss = chunked_cross_entropy(
             h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size
         )
-        return loss, {"n_tokens": (targets != IGNORE_INDEX).sum()}
+        aux = {"n_tokens": (targets != IGNORE_INDEX).sum()}
+        if "loss" in model_aux:
+            aux["ce_loss"] = loss.detach()
+            loss = loss + model_aux["loss"]
+        aux.update({k: v.detach() for k, v in model_aux.items() if k != "loss"})
+        return loss, aux
 
     return loss_fn

@@ -81,6 +81,7 @@ def make_train_step(
     *,
     accum_steps: int = 1,
     grad_impl: str = "func",
+    update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A pure train step: ``step(state, batch) -> (state, metrics)``.
 
@@ -91,6 +92,11 @@ def make_train_step(
 
     ``metrics`` holds ``loss``, ``grad_norm`` (before any clipping), ``lr``
     (when the optimizer has a learning-rate stage) and ``aux``'s entries.
+    ``update_buffers(params, metrics) -> params`` (a model's
+    ``update_buffers``, e.g. DeepSeek-V3's balancing bias) runs after the
+    optimizer update: state that moves with training but outside the
+    gradient. Keep those leaves away from the optimizer with
+    ``optim.freeze(model.frozen)``.
     Wrap it in ``torch.compile(step, fullgraph=True)``; all changing values
     (step, lr) are tensors, so it does not recompile.
     """
@@ -116,6 +122,8 @@ def make_train_step(
         lr = optim.current_lr(opt_state)
         if lr is not None:
             metrics["lr"] = lr
+        if update_buffers is not None:
+            params = update_buffers(params, metrics)
         return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
     return step

@@ -22,13 +22,12 @@ import torch
 
 from ftitan import checkpoint, data, optim, random
 from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
-from ftitan.models import llama
-from ftitan.nn import Llama3RopeScaling
+from ftitan.models import registry
 from ftitan.train.losses import next_token_loss
 from ftitan.train.state import TrainState, init_state
 from ftitan.train.step import make_train_step
 
-__all__ = ["build_optimizer", "config_from_dict", "evaluate", "load_data", "load_run", "run_dir_of", "train"]
+__all__ = ["build_optimizer", "config_from_dict", "config_to_dict", "evaluate", "load_data", "load_run", "run_dir_of", "train"]
 
 
 def run_dir_of(cfg: TrainConfig) -> Path:
@@ -58,8 +57,11 @@ def load_data(cfg: TrainConfig, run_dir: Path) -> tuple[data.Tokenizer, data.Pac
     return tok, sets[0], sets[1]
 
 
-def build_optimizer(o: OptimConfig, steps: int, params: Any) -> optim.Transform:
-    """The optimizer a recipe names: schedule, then AdamW or Muon+AdamW, behind clipping."""
+def build_optimizer(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, ...] = ()) -> optim.Transform:
+    """The optimizer a recipe names: schedule, then AdamW or Muon+AdamW, behind clipping.
+
+    ``frozen`` (a model's ``frozen`` globs) are left unchanged by the optimizer.
+    """
     final = o.lr * o.final_lr_fraction
     if o.schedule == "cosine":
         lr: Any = optim.warmup_cosine(o.lr, warmup=o.warmup, total=steps, final=final)
@@ -72,17 +74,20 @@ def build_optimizer(o: OptimConfig, steps: int, params: Any) -> optim.Transform:
                                       shape_scaling="match_rms_adamw")
     else:
         inner = optim.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+    if frozen:
+        inner = optim.chain(inner, optim.freeze(frozen))
     return optim.chain(optim.clip_by_global_norm(o.clip), inner) if o.clip > 0 else inner
 
 
 @torch.no_grad()
 def evaluate(loss_fn: Any, params: Any, ds: data.PackedDataset, *, batch_size: int, max_batches: int) -> float:
-    """Mean held-out loss over the first ``max_batches`` batches (in order, unshuffled)."""
+    """Mean held-out cross-entropy over the first ``max_batches`` batches (in order, unshuffled)."""
     losses = []
     for i, batch in enumerate(data.eval_batches(ds, batch_size)):
         if i == max_batches:
             break
-        losses.append(float(loss_fn(params, batch)[0]))
+        loss, aux = loss_fn(params, batch)
+        losses.append(float(aux.get("ce_loss", loss)))  # MoE: without the balancing term
     return sum(losses) / len(losses)
 
 
@@ -138,15 +143,15 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
 
     run_dir = run_dir_of(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_dict = attrs.asdict(cfg)
+    cfg_dict = config_to_dict(cfg)
     (run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
     tok, train_ds, eval_ds = load_data(cfg, run_dir)
 
-    model = llama.model(cfg.model)
+    model = registry.model_for(cfg.model)
     params = model.init(random.key(cfg.seed))
-    opt = build_optimizer(cfg.optim, cfg.steps, params)
+    opt = build_optimizer(cfg.optim, cfg.steps, params, frozen=model.frozen)
     loss_fn = next_token_loss(model)
-    step_fn = make_train_step(loss_fn, opt, accum_steps=cfg.accum_steps)
+    step_fn = make_train_step(loss_fn, opt, accum_steps=cfg.accum_steps, update_buffers=model.update_buffers)
     if cfg.compile:
         step_fn = torch.compile(step_fn, fullgraph=True)
     state: TrainState = init_state(params, opt, rng=random.key(cfg.seed))
@@ -172,11 +177,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         if step % cfg.log_every == 0 or step == cfg.steps:  # metrics
             loss = float(m["loss"])
             now = time.perf_counter()
-            last = {"step": step, "loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                    "tokens_per_s": tokens_per_step * done / (now - t_mark)}
+            last = {"step": step, **_scalars(m), "tokens_per_s": tokens_per_step * done / (now - t_mark)}
             t_mark, done = now, 0
             metrics.log(last)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}")
+            load = {"load": f"{last['moe.max_load']:.2f}"} if "moe.max_load" in last else {}
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}", **load)
         t_side = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             ev = evaluate(loss_fn, state.params, eval_ds, batch_size=cfg.data.batch_size, max_batches=cfg.eval_batches)
@@ -201,12 +206,26 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     }
 
 
+def _scalars(m: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The record of a step's metrics: every 0-d metric as a float (``n_tokens`` aside), MoE load as lists."""
+    out: dict[str, Any] = {k: float(v) for k, v in m.items() if v.ndim == 0 and k != "n_tokens"}
+    load = m.get("moe.tokens_per_expert")
+    if load is not None and load.numel() <= _MAX_LOGGED_LOADS:
+        out["moe.tokens_per_expert"] = load.tolist()  # (L_moe, E): JSONL only, TensorBoard takes scalars
+    return out
+
+
+_MAX_LOGGED_LOADS = 4096  # larger expert grids (e.g. 58 x 384) are summarized by moe.max_load only
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as the JSON a run writes (``config.json``, checkpoint manifests); the model names its family."""
+    return {**attrs.asdict(cfg), "model": registry.config_to_dict(cfg.model)}
+
+
 def config_from_dict(d: dict[str, Any]) -> TrainConfig:
     """The ``TrainConfig`` a run wrote to its ``config.json``."""
-    model = dict(d["model"])
-    if model.get("rope_scaling") is not None:
-        model["rope_scaling"] = Llama3RopeScaling(**model["rope_scaling"])
-    return TrainConfig(**{**d, "model": llama.Config(**model), "optim": OptimConfig(**d["optim"]),
+    return TrainConfig(**{**d, "model": registry.config_from_dict(d["model"]), "optim": OptimConfig(**d["optim"]),
                           "data": DataConfig(**d["data"])})
 
 
@@ -220,9 +239,9 @@ def load_run(run_dir: str | Path) -> tuple[TrainConfig, Any, Any, data.Tokenizer
     if latest is None:
         raise FileNotFoundError(f"{run_dir}/checkpoints: no valid checkpoint yet; train longer or check the run")
     cfg = config_from_dict(checkpoint.read_manifest(latest).extra["config"])  # the config these weights came from
-    model = llama.model(cfg.model)
+    model = registry.model_for(cfg.model)
     params = model.init(random.key(cfg.seed))  # the structure to restore into
-    opt = build_optimizer(cfg.optim, cfg.steps, params)
+    opt = build_optimizer(cfg.optim, cfg.steps, params, frozen=model.frozen)
     like = {"state": init_state(params, opt), "loader": data.init_loader_state(cfg.seed)}
     restored, manifest = checkpoint.load(latest, like)
     return cfg, model, restored["state"].params, data.load_tokenizer(run_dir), manifest.step
