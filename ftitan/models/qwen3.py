@@ -1,0 +1,486 @@
+"""Qwen3 dense (Qwen3 Technical Report, Yang et al. 2025) as pure functions.
+
+Llama's pre-norm decoder (``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``,
+GQA, RoPE in HF's rotate-half layout) with two changes:
+
+- **QK-norm**: queries and keys are RMS-normalized over ``head_dim``, per
+  head, before RoPE (one ``(Dh,)`` scale each for q and k, shared by the
+  heads). It replaces Qwen2's QKV bias and keeps attention logits bounded.
+- **explicit head_dim**: 128 for every published size, so ``H * Dh`` is not
+  ``dim`` in general (0.6B: 16 heads x 128 = 2048 from a 1024-wide stream).
+
+Small sizes (0.6B/1.7B/4B) tie the output head to the embedding; RoPE base
+is 1e6. Logits match ``transformers.Qwen3ForCausalLM`` to float32 rounding,
+and HF checkpoints load by renaming only (see ``hf_weights``).
+
+>>> import torch, ftitan as ft
+>>> from ftitan.models import qwen3
+>>> m = qwen3.model(qwen3.Config.debug())
+>>> params = m.init(ft.random.key(0))
+>>> logits, _ = m.apply(params, torch.zeros(2, 16, dtype=torch.long))
+>>> logits.shape
+torch.Size([2, 16, 2048])
+
+Params tree::
+
+    {"embed": (V, D),
+     "layers": {"0": {"attn_norm": (D,),
+                      "attn": {"wq": (H*Dh, D), "wk": (KV*Dh, D), "wv": (KV*Dh, D), "wo": (D, H*Dh),
+                               "q_norm": (Dh,), "k_norm": (Dh,)},
+                      "mlp_norm": (D,),
+                      "mlp": {"w1": (F, D), "w2": (D, F), "w3": (F, D)}},
+                "1": ...},
+     "norm": (D,),
+     "head": (V, D)}            # absent when tie_embeddings
+
+The attention pieces (``attention_params``, ``attention``, ``rope``, the HF
+attention names and config fields) are shared with ``qwen3_moe``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from ftitan import nn, tree
+from ftitan.models import hf
+from ftitan.models.base import Model
+from ftitan.nn.attention import IMPLS, AttentionImpl
+
+__all__ = [
+    "FLAVORS",
+    "AttentionConfig",
+    "Config",
+    "attention",
+    "attention_params",
+    "config_from_hf",
+    "config_to_hf",
+    "flops_per_token",
+    "hf_weights",
+    "model",
+    "param_specs",
+]
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    """Qwen3 dense architecture. Published sizes: ``Config.qwen3_8b()`` etc., see ``FLAVORS``."""
+
+    vocab_size: int  # V: rows of the embedding / output head
+    dim: int  # D: model (residual stream) width (HF hidden_size)
+    n_layers: int  # L: decoder blocks
+    n_heads: int  # H: query heads
+    n_kv_heads: int  # KV: key/value heads (GQA); n_heads % n_kv_heads == 0
+    head_dim: int  # Dh: width of one head, explicit (H * Dh need not equal dim)
+    ffn_dim: int  # F: SwiGLU hidden width (HF intermediate_size)
+    norm_eps: float = 1e-6  # epsilon of every RMSNorm, QK-norm included
+    rope_theta: float = 1_000_000.0  # RoPE base
+    max_seq_len: int = 40_960  # longest sequence the model is meant for (HF max_position_embeddings)
+    tie_embeddings: bool = False  # output head reuses the embedding table (0.6B, 1.7B, 4B)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+    init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
+
+    def __attrs_post_init__(self) -> None:
+        check_config(self, "qwen3")
+        check_positive_int(self, "qwen3", "ffn_dim")
+
+    @classmethod
+    def debug(cls) -> Config:
+        """Tiny tied model that trains on 2 CPU cores (head_dim 32, which vLLM also supports)."""
+        return cls(
+            vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, ffn_dim=768,
+            max_seq_len=2048, tie_embeddings=True,
+        )  # fmt: skip
+
+    # Published hyperparameters: config.json of each Qwen/Qwen3-* checkpoint on the HF hub
+    # (all: vocab 151,936, head_dim 128, rope_theta 1e6, rms_norm_eps 1e-6, 40,960 positions).
+    @classmethod
+    def qwen3_0_6b(cls) -> Config:
+        """Qwen3-0.6B: 596,049,920 params, tied embeddings."""
+        return cls(vocab_size=151_936, dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                   ffn_dim=3072, tie_embeddings=True)  # fmt: skip
+
+    @classmethod
+    def qwen3_1_7b(cls) -> Config:
+        """Qwen3-1.7B: 1,720,574,976 params, tied embeddings."""
+        return cls(vocab_size=151_936, dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                   ffn_dim=6144, tie_embeddings=True)  # fmt: skip
+
+    @classmethod
+    def qwen3_4b(cls) -> Config:
+        """Qwen3-4B: 4,022,468,096 params, tied embeddings."""
+        return cls(vocab_size=151_936, dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                   ffn_dim=9728, tie_embeddings=True)  # fmt: skip
+
+    @classmethod
+    def qwen3_8b(cls) -> Config:
+        """Qwen3-8B: 8,190,735,360 params."""
+        return cls(vocab_size=151_936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                   ffn_dim=12_288)  # fmt: skip
+
+    @classmethod
+    def qwen3_14b(cls) -> Config:
+        """Qwen3-14B: 14,768,307,200 params."""
+        return cls(vocab_size=151_936, dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=128,
+                   ffn_dim=17_408)  # fmt: skip
+
+    @classmethod
+    def qwen3_32b(cls) -> Config:
+        """Qwen3-32B: 32,762,123,264 params."""
+        return cls(vocab_size=151_936, dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+                   ffn_dim=25_600)  # fmt: skip
+
+
+FLAVORS = {
+    "debug": Config.debug,
+    "qwen3_0_6b": Config.qwen3_0_6b,
+    "qwen3_1_7b": Config.qwen3_1_7b,
+    "qwen3_4b": Config.qwen3_4b,
+    "qwen3_8b": Config.qwen3_8b,
+    "qwen3_14b": Config.qwen3_14b,
+    "qwen3_32b": Config.qwen3_32b,
+}
+
+
+class AttentionConfig(Protocol):
+    """What the shared attention pieces read from a config (``qwen3.Config``, ``qwen3_moe.Config``)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def attn_impl(self) -> AttentionImpl: ...
+    @property
+    def init_std(self) -> float: ...
+
+
+def check_positive_int(cfg: Any, family: str, name: str) -> None:
+    """Raise naming ``{family}.Config.{name}`` unless that field is a positive int (bools refused)."""
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{family}.Config.{name}={value!r}: must be a positive int")
+
+
+def check_config(cfg: AttentionConfig, family: str) -> None:
+    """Validation shared with ``qwen3_moe.Config`` (``family`` names the culprit's class)."""
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
+        check_positive_int(cfg, family, name)
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(
+            f"{family}.Config: n_heads={cfg.n_heads} is not a multiple of n_kv_heads={cfg.n_kv_heads}; "
+            f"each kv head must serve a whole group of query heads"
+        )
+    if cfg.head_dim % 2:
+        raise ValueError(f"{family}.Config: head_dim={cfg.head_dim} must be even for RoPE")
+    if cfg.attn_impl not in IMPLS:
+        raise ValueError(f"{family}.Config.attn_impl={cfg.attn_impl!r}: expected one of {IMPLS}")
+    for name in ("norm_eps", "rope_theta", "init_std"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"{family}.Config.{name}={getattr(cfg, name)!r}: must be > 0")
+
+
+def residual_std(cfg: AttentionConfig) -> float:
+    """Init std of the residual-branch outputs (wo, w2): ``init_std / sqrt(2L)``, GPT-2 style depth scaling."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+
+def attention_params(cfg: AttentionConfig) -> dict[str, nn.Param]:
+    """Specs of one QK-normed GQA attention block (see the params tree in the module docstring)."""
+    d, q_dim, kv_dim, std = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.init_std
+    return {
+        "wq": nn.linear_param(d, q_dim, axes=("heads", "embed"), std=std),
+        "wk": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
+        "wv": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
+        "wo": nn.linear_param(q_dim, d, axes=("embed", "heads"), std=residual_std(cfg)),
+        "q_norm": nn.norm_param(cfg.head_dim),
+        "k_norm": nn.norm_param(cfg.head_dim),
+    }
+
+
+def param_specs(cfg: Config) -> dict[str, Any]:
+    """Tree of ``nn.Param`` specs (shape, logical axes, init) shaped like the params."""
+
+    def layer() -> dict[str, Any]:
+        return {
+            "attn_norm": nn.norm_param(cfg.dim),
+            "attn": attention_params(cfg),
+            "mlp_norm": nn.norm_param(cfg.dim),
+            "mlp": nn.swiglu_params(cfg.dim, cfg.ffn_dim, std=cfg.init_std, out_std=residual_std(cfg)),
+        }
+
+    return {
+        "embed": nn.embed_param(cfg.vocab_size, cfg.dim, std=cfg.init_std),
+        "layers": {str(i): layer() for i in range(cfg.n_layers)},
+        "norm": nn.norm_param(cfg.dim),
+        **head_params(cfg),
+    }
+
+
+def head_params(cfg: AttentionConfig) -> dict[str, nn.Param]:
+    """``{"head": (V, D)}``, or ``{}`` when the head is tied to the embedding."""
+    if cfg.tie_embeddings:
+        return {}
+    return {"head": nn.linear_param(cfg.dim, cfg.vocab_size, axes=("vocab", "embed"), std=cfg.init_std)}
+
+
+def attention_flops(cfg: AttentionConfig, seq_len: int) -> tuple[int, int]:
+    """``(matmul weights per layer, 6 * L * T * H * Dh)``: the attention terms of ``flops_per_token``."""
+    d, dh = cfg.dim, cfg.head_dim
+    weights = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh
+    return weights, 6 * cfg.n_layers * seq_len * cfg.n_heads * dh
+
+
+def flops_per_token(cfg: Config, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+    ``6 * N + 6 * L * T * H * Dh`` as for Llama: N counts the weights used
+    in matmuls (q/k/v/o and MLP projections and the output head, the
+    embedding table when tied; not the embedding lookup or the norms, QK-norm
+    included); a weight costs 2 FLOPs per token forward and 4 backward.
+    Attention scores and values cost 12 * L * T * H * Dh for forward +
+    backward, halved for the causal mask.
+    """
+    attn, scores = attention_flops(cfg, seq_len)
+    matmul = cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+    return float(6 * matmul + scores)
+
+
+def attention(
+    cfg: AttentionConfig,
+    p: Mapping[str, torch.Tensor],
+    x: torch.Tensor,  # (B, T, D) normed
+    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
+    sin: torch.Tensor,
+) -> torch.Tensor:  # (B, T, D)
+    """QK-normed GQA attention: ``rms_norm`` over each head of q and k, then RoPE, then causal attention."""
+    b, t, _ = x.shape
+    q = nn.linear(x, p["wq"]).view(b, t, cfg.n_heads, cfg.head_dim)
+    k = nn.linear(x, p["wk"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = nn.linear(x, p["wv"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    q = nn.apply_rope(nn.rms_norm(q, p["q_norm"], cfg.norm_eps), cos, sin)
+    k = nn.apply_rope(nn.rms_norm(k, p["k_norm"], cfg.norm_eps), cos, sin)
+    # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
+    o = nn.attention(q, k, v, impl=cfg.attn_impl, causal=True)
+    return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
+
+
+def rope(
+    cfg: AttentionConfig, tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
+    """Checks ``tokens`` (B, T) and returns RoPE angles for ``positions`` (default ``arange(T)``)."""
+    if tokens.dim() != 2:
+        raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=tokens.device))
+
+
+def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
+    """Weight of the output projection: the embedding table when tied."""
+    return params["embed"] if cfg.tie_embeddings else params["head"]
+
+
+def _apply(
+    cfg: Config,
+    params: Mapping[str, Any],
+    tokens: torch.Tensor,  # (B, T) int
+    *,
+    positions: torch.Tensor | None = None,  # (T,) | (B, T) int
+    cache: Any = None,
+    logits: bool = True,
+) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
+    if cache is not None:
+        raise NotImplementedError("qwen3.apply: KV cache is not implemented yet; pass cache=None")
+    cos, sin = rope(cfg, tokens, positions, family="qwen3")
+    h = nn.embed(tokens, params["embed"])
+    # explicit order 0..L-1: dict/optree order would put "10" before "2"
+    for i in range(cfg.n_layers):
+        p = params["layers"][str(i)]
+        h = h + attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
+        h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
+    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
+    return (nn.linear(h, output_head(cfg, params)) if logits else h), cache
+
+
+def model(cfg: Config) -> Model:
+    """The Qwen3 ``Model`` for ``cfg``: pure ``init``/``apply`` closed over the config."""
+    specs = param_specs(cfg)
+
+    def init(
+        key: torch.Tensor, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> tree.Tree:
+        return nn.init(specs, key, dtype=dtype, device=device)
+
+    return Model(
+        config=cfg,
+        init=init,
+        apply=functools.partial(_apply, cfg),
+        head=functools.partial(output_head, cfg),
+        param_axes=nn.axes(specs),
+        flops_per_token=functools.partial(flops_per_token, cfg),
+    )
+
+
+# ---------------------------------------------------------------- HF checkpoints
+
+HF_ATTENTION = {
+    "layers.{i}.attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attn.wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attn.wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attn.wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.attn.q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attn.k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    "layers.{i}.mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+}
+HF_MLP = {
+    "layers.{i}.mlp.w1": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.w2": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.mlp.w3": "model.layers.{i}.mlp.up_proj.weight",
+}
+
+
+def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
+    """Embedding, final norm and (untied) head: the non-layer HF names shared with ``qwen3_moe``."""
+    maps = [
+        hf.WeightMap(path="embed", names=("model.embed_tokens.weight",)),
+        hf.WeightMap(path="norm", names=("model.norm.weight",)),
+    ]
+    if not cfg.tie_embeddings:
+        maps.append(hf.WeightMap(path="head", names=("lm_head.weight",)))
+    return maps
+
+
+def hf_weights(cfg: Config) -> list[hf.WeightMap]:
+    """ftitan path <-> HF ``Qwen3ForCausalLM`` name, one rename per leaf."""
+    return [*hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, {**HF_ATTENTION, **HF_MLP})]
+
+
+def hf_ignored(cfg: AttentionConfig) -> tuple[str, ...]:
+    """Checkpoint names skipped on import."""
+    # tied hub checkpoints (Qwen3-0.6B/1.7B/4B) still store lm_head.weight, a copy of the embedding
+    return ("**.rotary_emb.inv_freq", *(("lm_head.weight",) if cfg.tie_embeddings else ()))
+
+
+def hf_common_to_hf(cfg: AttentionConfig) -> dict[str, Any]:
+    """HF config fields of the attention/embedding side, shared with ``qwen3_moe``."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def config_to_hf(cfg: Config) -> dict[str, Any]:
+    """``Qwen3Config`` fields (transformers 5 ``rope_parameters`` format)."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **hf_common_to_hf(cfg),
+        "intermediate_size": cfg.ffn_dim,
+        "max_window_layers": cfg.n_layers,  # only read with sliding windows, which ftitan's Qwen3 does not use
+        "layer_types": ["full_attention"] * cfg.n_layers,
+    }
+
+
+def _rope_theta_from_hf(d: Mapping[str, Any], family: str) -> float:
+    # transformers 5 writes rope_parameters; 4.x (and the hub config.json files) rope_theta + rope_scaling
+    rp = dict(d.get("rope_parameters") or {})
+    legacy = dict(d.get("rope_scaling") or {})
+    for params in (rp, legacy):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ValueError(
+                f"{family}: HF rope type {kind!r} is not supported (only 'default'); Qwen3's YaRN "
+                f"long-context extension is opt-in, drop rope_scaling from config.json to use the native context"
+            )
+    return float(rp.get("rope_theta", d.get("rope_theta", 10_000.0)))
+
+
+def hf_common_from_hf(d: Mapping[str, Any], family: str) -> dict[str, Any]:
+    """Config kwargs shared with ``qwen3_moe`` from an HF config dict; refuses what ftitan lacks."""
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    if absent := [k for k in required if k not in d]:
+        raise ValueError(f"{family}: HF config lacks {absent}")
+    n_layers = d["num_hidden_layers"]
+    layer_types = d.get("layer_types") or ["full_attention"] * n_layers
+    unsupported = {
+        "attention_bias": (d.get("attention_bias", False), False),
+        "hidden_act": (d.get("hidden_act", "silu"), "silu"),
+        "use_sliding_window": (bool(d.get("use_sliding_window", False)), False),
+        "layer_types": (sorted(set(layer_types)), ["full_attention"]),
+    }
+    for key, (got, want) in unsupported.items():
+        if got != want:
+            raise ValueError(
+                f"{family}: HF config {key}={got!r} is not supported by ftitan's {family} (needs {want!r})"
+            )
+    return {
+        "vocab_size": d["vocab_size"],
+        "dim": d["hidden_size"],
+        "n_layers": n_layers,
+        "n_heads": d["num_attention_heads"],
+        "n_kv_heads": d.get("num_key_value_heads") or d["num_attention_heads"],
+        "head_dim": d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        "norm_eps": float(d.get("rms_norm_eps", 1e-6)),
+        "rope_theta": _rope_theta_from_hf(d, family),
+        "max_seq_len": d.get("max_position_embeddings", 32_768),
+        "tie_embeddings": bool(d.get("tie_word_embeddings", False)),
+        "init_std": float(d.get("initializer_range", 0.02)),
+    }
+
+
+def config_from_hf(d: Mapping[str, Any]) -> Config:
+    """A ``Config`` from an HF ``Qwen3Config`` dict; refuses features this model does not have."""
+    if "intermediate_size" not in d:
+        raise ValueError("qwen3: HF config lacks ['intermediate_size']")
+    return Config(**hf_common_from_hf(d, "qwen3"), ffn_dim=d["intermediate_size"])
+
+
+hf.register_family(
+    hf.Family(
+        name="qwen3",
+        config_type=Config,
+        model_type="qwen3",
+        model=model,
+        weights=hf_weights,
+        config_to_hf=config_to_hf,
+        config_from_hf=config_from_hf,
+        ignored=hf_ignored,
+    )
+)
