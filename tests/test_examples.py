@@ -35,3 +35,19 @@ def test_readme_training_loop_runs_as_written(tmp_path):
     assert [r[0] for r in rows] == ["0", "1", "2"], out.stdout
     losses = [float(r[1]) for r in rows]
     assert all(7.0 < x < 8.5 for x in losses), losses  # ln(2048) = 7.62 at init
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_moe_example_trains_and_reports_expert_load(family):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "moe_train.py"), "--family", family, "--steps", "31", "--no-compile"],
+        capture_output=True, text=True, check=True, timeout=300,
+    ).stdout
+    rows = re.findall(r"loss (\d+\.\d+)  max_load (\d+\.\d+)  load \[([\d, ]+)\]", out)
+    assert len(rows) == 4, out
+    losses = [float(r[0]) for r in rows]
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
+    for _, max_load, load in rows:
+        counts = [int(x) for x in load.split(",")]
+        assert sum(counts) == 8 * 128 * 2  # every token of the batch went to top_k = 2 experts
+        assert float(max_load) >= 1.0

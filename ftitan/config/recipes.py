@@ -25,9 +25,22 @@ import attrs
 
 from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
 from ftitan.config.transforms import compose, with_layers, with_vocab
-from ftitan.models import llama
+from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "llama3_1b", "llama3_8b", "llama3_debug", "llama3_debug_muon", "recipe"]
+__all__ = [
+    "RECIPES",
+    "Recipe",
+    "deepseek_v3_debug",
+    "get_recipe",
+    "kimi_k2_debug",
+    "llama3_1b",
+    "llama3_8b",
+    "llama3_debug",
+    "llama3_debug_muon",
+    "qwen3_debug",
+    "qwen3_moe_debug",
+    "recipe",
+]
 
 Recipe = Callable[[], TrainConfig]
 
@@ -110,3 +123,39 @@ def llama3_1b() -> TrainConfig:
 def llama3_8b() -> TrainConfig:
     """Llama 3.1 8B (published flavor, V=128256)."""
     return _published(llama.Config.llama3_1_8b(), seq_len=2048, batch_size=8)
+
+
+def _debug_run(model: object) -> TrainConfig:
+    """``llama3-debug``'s data, optimizer and schedule around another family's debug model."""
+    return attrs.evolve(llama3_debug(), model=model)
+
+
+@recipe("qwen3-debug")
+def qwen3_debug() -> TrainConfig:
+    """Tiny Qwen3 (QK-norm, GQA, tied embeddings; D=256, L=4, V=2048) on stdlib source."""
+    return _debug_run(qwen3.Config.debug())
+
+
+@recipe("qwen3-moe-debug")
+def qwen3_moe_debug() -> TrainConfig:
+    """Tiny Qwen3-MoE (8 experts, top-2, softmax router, balancing loss 1e-3) on stdlib source."""
+    return _debug_run(qwen3_moe.Config.debug())
+
+
+@recipe("deepseek-v3-debug")
+def deepseek_v3_debug() -> TrainConfig:
+    """Tiny DeepSeek-V3 (MLA, first layer dense, 8 experts top-2 in 2 groups, 1 shared expert,
+    sigmoid router with the aux-loss-free balancing bias) on stdlib source."""
+    return _debug_run(deepseek_v3.Config.debug())
+
+
+@recipe("kimi-k2-debug")
+def kimi_k2_debug() -> TrainConfig:
+    """Kimi K2's routing at debug size: DeepSeek-V3 architecture with one expert group
+    (no group limit), 16 experts top-4 + 1 shared, routed scale 2.827, one dense layer."""
+    k2 = deepseek_v3.Config.kimi_k2()
+    model = attrs.evolve(
+        deepseek_v3.Config.debug(), n_experts=16, top_k=4, n_groups=k2.n_groups, topk_groups=k2.topk_groups,
+        routed_scale=k2.routed_scale, n_shared_experts=k2.n_shared_experts, moe_ffn_dim=64,
+    )  # fmt: skip
+    return _debug_run(model)

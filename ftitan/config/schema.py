@@ -6,11 +6,23 @@ and adjusted by dotted CLI overrides (``--optim.lr 1e-3``).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import attrs
+import tyro
 
-from ftitan.models import llama
+from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
-__all__ = ["DataConfig", "OptimConfig", "TrainConfig"]
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig"]
+
+# every trainable family's config; a recipe picks one and its fields become --model.* flags
+# (named for tyro, whose default names would collide: every family's class is called Config)
+ModelConfig = (
+    Annotated[llama.Config, tyro.conf.subcommand("llama")]
+    | Annotated[qwen3.Config, tyro.conf.subcommand("qwen3")]
+    | Annotated[qwen3_moe.Config, tyro.conf.subcommand("qwen3_moe")]
+    | Annotated[deepseek_v3.Config, tyro.conf.subcommand("deepseek_v3")]
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -44,7 +56,7 @@ class TrainConfig:
     """One training run."""
 
     recipe: str  # the recipe this config came from
-    model: llama.Config  # model architecture (vocab_size must equal data.vocab_size)
+    model: ModelConfig  # model architecture (vocab_size must equal data.vocab_size)
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     steps: int = 400  # optimizer steps in total

@@ -1,4 +1,4 @@
-"""Model-config transforms: plain functions ``llama.Config -> llama.Config``.
+"""Model-config transforms: plain functions ``Config -> Config`` over any family's config.
 
 Each ``with_*(value)`` returns a transform; ``compose`` chains them left to
 right, so a recipe reads as a list of edits to a published flavor:
@@ -20,8 +20,6 @@ from typing import Any
 
 import attrs
 
-from ftitan.models import llama
-
 __all__ = [
     "ModelTransform",
     "compose",
@@ -34,14 +32,14 @@ __all__ = [
     "with_vocab",
 ]
 
-ModelTransform = Callable[[llama.Config], llama.Config]
+ModelTransform = Callable[[Any], Any]  # a family Config -> the same family's Config
 
-# llama.Config messages look like "llama.Config.dim=..." or "llama.Config: dim=..."
-_MODEL_FIELD = re.compile(r"llama\.Config(?:\.|: )(\w+)=")
+# family config messages look like "llama.Config.dim=..." or "qwen3_moe.Config: dim=..."
+_MODEL_FIELD = re.compile(r"\w+\.Config(?:\.|: )(\w+)=")
 
 
 def model_error(err: ValueError) -> ValueError:
-    """Re-word a ``llama.Config`` construction error so it names the CLI flag ``--model.<field>``."""
+    """Re-word a family ``Config`` construction error so it names the CLI flag ``--model.<field>``."""
     msg = str(err)
     m = _MODEL_FIELD.search(msg)
     field = f"--model.{m.group(1).replace('_', '-')}" if m else "--model"
@@ -49,9 +47,9 @@ def model_error(err: ValueError) -> ValueError:
 
 
 def with_model_fields(**changes: Any) -> ModelTransform:
-    """Transform setting arbitrary ``llama.Config`` fields (the model re-checks itself)."""
+    """Transform setting arbitrary config fields (the model re-checks itself)."""
 
-    def transform(cfg: llama.Config) -> llama.Config:
+    def transform(cfg: Any) -> Any:
         try:
             return attrs.evolve(cfg, **changes)
         except ValueError as e:
@@ -88,7 +86,7 @@ def with_attn_impl(impl: str) -> ModelTransform:
 def compose(*fns: ModelTransform) -> ModelTransform:
     """Chain transforms, applied left to right; ``compose()`` is the identity."""
 
-    def transform(cfg: llama.Config) -> llama.Config:
+    def transform(cfg: Any) -> Any:
         for fn in fns:
             cfg = fn(cfg)
         return cfg

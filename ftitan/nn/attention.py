@@ -64,16 +64,24 @@ def attention(
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
     t, s = q.shape[1], k.shape[1]
-    # SDPA's is_causal aligns top-left; when T != S pass the bottom-right mask explicitly
-    mask = causal_mask(t, s, device=q.device) if causal and t != s else None
+    # SDPA's is_causal aligns top-left; when T != S pass the bottom-right mask explicitly.
+    # Branches, not `causal and t == s`: when dynamo makes sizes (or config ints, after a
+    # recompile with another config) symbolic, that is a SymBool, which SDPA refuses
+    if causal and t != s:
+        mask, is_causal = causal_mask(t, s, device=q.device), False
+    else:
+        mask, is_causal = None, causal
+    gqa = False
+    if q.shape[2] != k.shape[2]:  # a branch (a guard) for the same reason
+        gqa = True
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=causal and t == s,
+        is_causal=is_causal,
         scale=scale,
-        enable_gqa=q.shape[2] != k.shape[2],
+        enable_gqa=gqa,
     )
     return out.transpose(1, 2)
 

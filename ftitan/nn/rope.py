@@ -1,4 +1,4 @@
-"""Rotary position embedding (Su et al. 2021, RoFormer) with Llama 3 frequency scaling.
+"""Rotary position embedding (Su et al. 2021, RoFormer) with Llama 3 and YaRN frequency scaling.
 
 Layout is HF's "rotate half": a head vector's first half and second half
 form the rotated pairs, and ``cos``/``sin`` repeat the frequencies twice
@@ -10,6 +10,15 @@ Llama 3.1 scaling (Meta 2024, "The Llama 3 Herd of Models"): wavelengths
 longer than ``original_max_position_embeddings / low_freq_factor`` are
 divided by ``factor``, shorter than ``.../ high_freq_factor`` kept, and the
 band in between interpolated smoothly.
+
+YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large
+Language Models"; DeepSeek-V3, Kimi K2): dimensions that turn more than
+``beta_fast`` times over the original context keep their frequency, those
+turning fewer than ``beta_slow`` times are divided by ``factor``, a linear
+ramp in between; ``cos``/``sin`` are then multiplied by an attention factor
+(:func:`rope_attention_factor`, 1.0 when ``mscale == mscale_all_dim`` as in
+DeepSeek-V3, whose attention instead scales its softmax, see
+``ftitan.nn.mla``).
 """
 
 from __future__ import annotations
@@ -19,7 +28,17 @@ import math
 import attrs
 import torch
 
-__all__ = ["Llama3RopeScaling", "apply_rope", "rope_cos_sin", "rope_frequencies", "rope_inv_freq"]
+__all__ = [
+    "Llama3RopeScaling",
+    "RopeScaling",
+    "YarnRopeScaling",
+    "apply_rope",
+    "rope_attention_factor",
+    "rope_cos_sin",
+    "rope_frequencies",
+    "rope_inv_freq",
+    "yarn_mscale",
+]
 
 
 @attrs.frozen(kw_only=True)
@@ -46,22 +65,104 @@ class Llama3RopeScaling:
             )
 
 
+@attrs.frozen(kw_only=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling (Peng et al. 2023; HF ``rope_type="yarn"``), as DeepSeek-V3 and Kimi K2 use it.
+
+    Field names and defaults are HF's ``rope_parameters`` keys, so configs
+    convert by name. DeepSeek-V3: ``factor=40, original_max_position_embeddings=4096,
+    mscale=1, mscale_all_dim=1``.
+    """
+
+    factor: float  # context extension ratio s; frequencies of slow dims are divided by it
+    original_max_position_embeddings: int  # context length of pretraining before extension
+    beta_fast: float = 32.0  # dims turning more than beta_fast times over the original context keep their frequency
+    beta_slow: float = 1.0  # dims turning fewer than beta_slow times are fully interpolated (divided by factor)
+    mscale: float | None = None  # numerator of the cos/sin attention factor (see rope_attention_factor)
+    mscale_all_dim: float | None = None  # its denominator; DeepSeek's MLA softmax scale gets yarn_mscale(factor, it)**2
+    attention_factor: float | None = None  # explicit cos/sin multiplier; None derives it from factor/mscale
+    truncate: bool = True  # round the ramp's ends outwards to whole dims (HF's default)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ValueError(f"YarnRopeScaling.factor={self.factor}: must be >= 1")
+        if self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "YarnRopeScaling.original_max_position_embeddings="
+                f"{self.original_max_position_embeddings}: must be > 0"
+            )
+        if not 0 < self.beta_slow <= self.beta_fast:
+            raise ValueError(
+                f"YarnRopeScaling: need 0 < beta_slow ({self.beta_slow}) <= beta_fast ({self.beta_fast})"
+            )
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"YarnRopeScaling.{name}={value!r}: must be > 0, or None when absent")
+
+
+RopeScaling = Llama3RopeScaling | YarnRopeScaling
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """Multiplier of ``cos``/``sin`` (HF's ``attention_scaling``): 1 except under YaRN.
+
+    YaRN: ``attention_factor`` if given, else ``yarn_mscale(factor, mscale) /
+    yarn_mscale(factor, mscale_all_dim)`` when both are set (1.0 for
+    DeepSeek-V3 and Kimi K2), else ``yarn_mscale(factor)``.
+    """
+    if not isinstance(scaling, YarnRopeScaling):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return float(scaling.attention_factor)
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(yarn_mscale(scaling.factor, scaling.mscale) / yarn_mscale(scaling.factor, scaling.mscale_all_dim))
+    return yarn_mscale(scaling.factor)
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, theta: float, s: YarnRopeScaling) -> torch.Tensor:
+    # the same float32 steps as transformers' _compute_yarn_parameters, so the values match bit for bit
+    def correction_dim(rotations: float) -> float:  # dim index that turns `rotations` times over the original context
+        return (head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolate = (1 - ramp).to(pos_freqs.device)  # 1: keep the frequency, 0: divide it by factor
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
 def rope_inv_freq(
     head_dim: int,
     theta: float,
-    scaling: Llama3RopeScaling | None = None,
+    scaling: RopeScaling | None = None,
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:  # (head_dim // 2,) float32
-    """Inverse frequencies ``theta ** (-2i / head_dim)``, optionally Llama-3 scaled.
+    """Inverse frequencies ``theta ** (-2i / head_dim)``, optionally Llama-3 or YaRN scaled.
 
-    Same float32 operations as transformers' ``_compute_llama3_parameters``,
-    so the values match bit for bit.
+    Same float32 operations as transformers' ``_compute_llama3_parameters``
+    and ``_compute_yarn_parameters``, so the values match bit for bit. (The
+    YaRN attention factor is separate: :func:`rope_attention_factor`.)
     """
     if head_dim % 2:
         raise ValueError(f"rope_inv_freq: head_dim={head_dim} must be even")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    pos_freqs = theta**exponents
+    if isinstance(scaling, YarnRopeScaling):
+        return _yarn_inv_freq(pos_freqs, head_dim, theta, scaling)
+    inv_freq = 1.0 / pos_freqs
     if scaling is None:
         return inv_freq
     s = scaling
@@ -91,7 +192,7 @@ def rope_frequencies(
     head_dim: int,
     max_seq_len: int,
     theta: float,
-    scaling: Llama3RopeScaling | None = None,
+    scaling: RopeScaling | None = None,
     *,
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (max_seq_len, head_dim) float32

@@ -110,7 +110,7 @@ class _Metrics:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         for k, v in record.items():
-            if k != "step":
+            if k != "step" and isinstance(v, float):  # lists (router load) go to the JSONL only
                 self.tb.add_scalar(k, v, record["step"])
 
     def close(self) -> None:

@@ -1,0 +1,219 @@
+"""Multi-head Latent Attention (MLA; DeepSeek-AI 2024, "DeepSeek-V2"), as DeepSeek-V3 and Kimi K2 use it.
+
+Keys and values of all heads come from one small per-token latent, so a KV
+cache holds ``kv_lora_rank + qk_rope_head_dim`` numbers per token (576 for
+DeepSeek-V3) instead of ``2 * H * Dh``:
+
+- **queries**: ``wq x`` (``q_lora_rank=None``: DeepSeek-V2-Lite, Moonlight) or
+  low-rank ``wq_b rms_norm(wq_a x)`` (DeepSeek-V3, Kimi K2), split per head
+  into ``qk_nope_head_dim`` position-free dims and ``qk_rope_head_dim`` dims
+  that get RoPE.
+- **keys/values**: ``wkv_a x`` gives the latent ``c`` (``kv_lora_rank``) and
+  one rope key ``k_rope`` (``qk_rope_head_dim``) *shared by all heads*
+  (decoupled RoPE: position cannot be folded into the latent's up
+  projection). ``wkv_b rms_norm(c)`` expands the latent to each head's
+  ``k_nope`` and ``v`` (``v_head_dim``).
+- each head attends with ``q = [q_nope, rope(q_rope)]``,
+  ``k = [k_nope, rope(k_rope)]``, softmax scale ``(Dn + Dr) ** -0.5`` times
+  ``yarn_mscale(factor, mscale_all_dim) ** 2`` under YaRN (Peng et al. 2023),
+  which is how DeepSeek-V3 applies YaRN's magnitude correction.
+
+RoPE layout: DeepSeek's checkpoints store the rope dims of ``wq``/``wq_b``
+and ``wkv_a`` as interleaved pairs ``(x0, x1), (x2, x3), ...``
+(``rope_interleave=True``, HF's default for ``deepseek_v3``). The pairs are
+gathered into HF's rotate-half layout (``cat(x[0::2], x[1::2])``) and
+rotated there, exactly as ``transformers``' ``apply_rotary_pos_emb_interleave``
+does, so HF checkpoints load by renaming only. The gather permutes q and k
+alike, so the scores are those of the interleaved rotation.
+
+The two latent RMSNorms use ``latent_norm_eps`` (1e-6 in DeepSeek's and HF's
+code whatever the model's ``rms_norm_eps``).
+
+Params (``mla_params``)::
+
+    {"wq": (H*(Dn+Dr), D)}                                    # q_lora_rank None
+    | {"wq_a": (Rq, D), "q_norm": (Rq,), "wq_b": (H*(Dn+Dr), Rq)}
+    + {"wkv_a": (Rkv+Dr, D), "kv_norm": (Rkv,), "wkv_b": (H*(Dn+Dv), Rkv), "wo": (D, H*Dv)}
+
+Logical axes: ``"q_lora"`` / ``"kv_lora"`` name the latent widths (small;
+meant to stay unsharded under tensor parallelism, as TorchTitan keeps
+``wkv_a``), ``"heads"`` every per-head output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from ftitan.nn.attention import IMPLS, AttentionImpl, causal_mask
+from ftitan.nn.linear import linear, linear_param
+from ftitan.nn.norm import norm_param, rms_norm
+from ftitan.nn.param import Param, init
+from ftitan.nn.rope import YarnRopeScaling, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq, yarn_mscale
+
+__all__ = ["MLAConfig", "init_mla", "mla", "mla_attention", "mla_params", "mla_rope"]
+
+
+def _positive_int(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"MLAConfig.{attr.name}={value!r}: must be a positive int")
+
+
+def _rank(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _positive_int(_inst, attr, value)
+
+
+@attrs.frozen(kw_only=True)
+class MLAConfig:
+    """Shapes, RoPE and softmax scale of one MLA layer (see the module docstring)."""
+
+    n_heads: int = attrs.field(validator=_positive_int)  # H: attention heads (queries, keys and values alike)
+    q_lora_rank: int | None = attrs.field(validator=_rank)  # Rq: query latent width; None: one full wq
+    kv_lora_rank: int = attrs.field(validator=_positive_int)  # Rkv: key/value latent width (cached per token)
+    qk_nope_head_dim: int = attrs.field(validator=_positive_int)  # Dn: per-head q/k dims without position
+    qk_rope_head_dim: int = attrs.field(validator=_positive_int)  # Dr: q/k dims with RoPE; the key's are shared
+    v_head_dim: int = attrs.field(validator=_positive_int)  # Dv: per-head value width
+    rope_theta: float = 10_000.0  # RoPE base
+    rope_scaling: YarnRopeScaling | None = None  # YaRN context extension (also scales the softmax), or None
+    rope_interleave: bool = True  # rope dims stored as interleaved pairs (DeepSeek checkpoints); False: rotate-half
+    latent_norm_eps: float = 1e-6  # epsilon of the q/kv latent RMSNorms (fixed 1e-6 in DeepSeek's and HF's code)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+
+    def __attrs_post_init__(self) -> None:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim={self.qk_rope_head_dim}: must be even for RoPE")
+        if self.attn_impl not in IMPLS:
+            raise ValueError(f"MLAConfig.attn_impl={self.attn_impl!r}: expected one of {IMPLS}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnRopeScaling):
+            raise ValueError(
+                f"MLAConfig.rope_scaling={self.rope_scaling!r}: expected None or nn.rope.YarnRopeScaling"
+            )
+        for name in ("rope_theta", "latent_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MLAConfig.{name}={getattr(self, name)!r}: must be > 0")
+
+    @property
+    def qk_head_dim(self) -> int:  # Dn + Dr
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(Dn + Dr) ** -0.5``, times ``yarn_mscale(factor, mscale_all_dim) ** 2`` under YaRN."""
+        scale = self.qk_head_dim**-0.5
+        s = self.rope_scaling
+        if s is not None and s.mscale_all_dim:
+            scale = scale * yarn_mscale(s.factor, s.mscale_all_dim) ** 2
+        return scale
+
+
+def mla_params(dim: int, cfg: MLAConfig, *, std: float = 0.02, out_std: float | None = None) -> dict[str, Param]:
+    """Spec tree of one MLA layer on a ``dim``-wide stream; ``out_std`` (default ``std``) is for ``wo``."""
+    h, rkv, dr = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    specs: dict[str, Param] = {}
+    if cfg.q_lora_rank is None:
+        specs["wq"] = linear_param(dim, h * cfg.qk_head_dim, axes=("heads", "embed"), std=std)
+    else:
+        specs["wq_a"] = linear_param(dim, cfg.q_lora_rank, axes=("q_lora", "embed"), std=std)
+        specs["q_norm"] = norm_param(cfg.q_lora_rank)
+        specs["wq_b"] = linear_param(cfg.q_lora_rank, h * cfg.qk_head_dim, axes=("heads", "q_lora"), std=std)
+    specs["wkv_a"] = linear_param(dim, rkv + dr, axes=("kv_lora", "embed"), std=std)
+    specs["kv_norm"] = norm_param(rkv)
+    specs["wkv_b"] = linear_param(rkv, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), axes=("heads", "kv_lora"), std=std)
+    out_std = std if out_std is None else out_std
+    specs["wo"] = linear_param(h * cfg.v_head_dim, dim, axes=("embed", "heads"), std=out_std)
+    return specs
+
+
+def init_mla(
+    key: torch.Tensor,
+    dim: int,
+    cfg: MLAConfig,
+    *,
+    std: float = 0.02,
+    out_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """One MLA layer's params, leaf ``name`` drawn from ``fold_in(key, name)``."""
+    return init(mla_params(dim, cfg, std=std, out_std=out_std), key, dtype=dtype, device=device)
+
+
+def mla_rope(
+    positions: torch.Tensor,  # (T,) | (B, T) int
+    cfg: MLAConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dr) | (B, T, Dr) float32
+    """``cos``/``sin`` of the rope dims, YaRN-scaled and times YaRN's attention factor (as HF)."""
+    inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, device=positions.device)
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    factor = rope_attention_factor(cfg.rope_scaling)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    if interleave:  # pairs (x0, x1), (x2, x3), ... -> rotate-half layout (evens, odds)
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    return apply_rope(x, cos, sin)
+
+
+def mla_attention(
+    q: torch.Tensor,  # (B, T, H, Dqk)
+    k: torch.Tensor,  # (B, S, H, Dqk)
+    v: torch.Tensor,  # (B, S, H, Dv); Dv may differ from Dqk
+    *,
+    scale: float,
+    impl: AttentionImpl = "sdpa",
+) -> torch.Tensor:  # (B, T, H, Dv)
+    """Causal attention whose values are narrower than its keys (``nn.attention`` needs equal widths).
+
+    Queries may be fewer than keys (a KV cache): the mask is aligned
+    bottom-right, as in ``nn.attention``.
+    """
+    t, s = q.shape[1], k.shape[1]
+    if impl == "sdpa":
+        square, mask = True, None
+        if t != s:  # a branch (a guard), not a SymBool, which SDPA refuses under dynamic shapes
+            square, mask = False, causal_mask(t, s, device=q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=square, scale=scale
+        )
+        return out.transpose(1, 2)
+    if impl == "math":
+        scores = torch.einsum("bthd,bshd->bhts", q, k).to(torch.float32) * scale
+        scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.einsum("bhts,bshd->bthd", probs, v)
+    raise ValueError(f"mla_attention: impl={impl!r}; expected one of {IMPLS}")
+
+
+def mla(
+    x: torch.Tensor,  # (B, T, D) normed
+    p: Mapping[str, torch.Tensor],
+    cos: torch.Tensor,  # (T, Dr) | (B, T, Dr) from mla_rope
+    sin: torch.Tensor,
+    cfg: MLAConfig,
+) -> torch.Tensor:  # (B, T, D)
+    """Multi-head latent attention of ``x`` over itself, causal (see the module docstring)."""
+    b, t, _ = x.shape
+    h, dn, dr, dv, rkv = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+        q = linear(x, p["wq"])
+    else:
+        q = linear(rms_norm(linear(x, p["wq_a"]), p["q_norm"], cfg.latent_norm_eps), p["wq_b"])
+    q_nope, q_rope = q.view(b, t, h, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
+    latent, k_rope = linear(x, p["wkv_a"]).split((rkv, dr), dim=-1)  # (B, T, Rkv), (B, T, Dr)
+    latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps)
+    q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
+    k_rope = _rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave)  # (B, T, 1, Dr): one key for all heads
+    # KV-cache seam: a cache would append (latent, k_rope) here, Rkv + Dr numbers per token
+    k_nope, v = linear(latent, p["wkv_b"]).view(b, t, h, dn + dv).split((dn, dv), dim=-1)
+    q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, Dn + Dr)
+    k = torch.cat((k_nope, k_rope.expand(b, t, h, dr)), dim=-1)
+    o = mla_attention(q, k, v, scale=cfg.softmax_scale, impl=cfg.attn_impl)  # (B, T, H, Dv)
+    return linear(o.reshape(b, t, h * dv), p["wo"])
