@@ -29,7 +29,6 @@ Params tree::
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +36,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
-from ftitan.models import hf
+from ftitan.models import decoder, hf
 from ftitan.models.base import Model
 from ftitan.nn.attention import IMPLS, AttentionImpl
 from ftitan.nn.rope import Llama3RopeScaling
@@ -163,31 +162,22 @@ FLAVORS = {
 
 def param_specs(cfg: Config) -> dict[str, Any]:
     """Tree of ``nn.Param`` specs (shape, logical axes, init) shaped like the params."""
-    d, f, q_dim, kv_dim = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    std = cfg.init_std
-    out_std = std / math.sqrt(2 * cfg.n_layers)  # residual-branch outputs (GPT-2 style depth scaling)
 
     def layer() -> dict[str, Any]:
         return {
-            "attn_norm": nn.norm_param(d),
-            "attn": {
-                "wq": nn.linear_param(d, q_dim, axes=("heads", "embed"), std=std),
-                "wk": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
-                "wv": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
-                "wo": nn.linear_param(q_dim, d, axes=("embed", "heads"), std=out_std),
-            },
-            "mlp_norm": nn.norm_param(d),
-            "mlp": nn.swiglu_params(d, f, std=std, out_std=out_std),
+            "attn_norm": nn.norm_param(cfg.dim),
+            "attn": decoder.attention_params(cfg, qk_norm=False),
+            "mlp_norm": nn.norm_param(cfg.dim),
+            # residual-branch outputs (wo, w2) get init_std / sqrt(2L) (GPT-2 style depth scaling)
+            "mlp": nn.swiglu_params(cfg.dim, cfg.ffn_dim, std=cfg.init_std, out_std=decoder.residual_std(cfg)),
         }
 
-    specs: dict[str, Any] = {
-        "embed": nn.embed_param(cfg.vocab_size, d, std=std),
+    return {
+        "embed": nn.embed_param(cfg.vocab_size, cfg.dim, std=cfg.init_std),
         "layers": {str(i): layer() for i in range(cfg.n_layers)},
-        "norm": nn.norm_param(d),
+        "norm": nn.norm_param(cfg.dim),
+        **decoder.head_params(cfg),
     }
-    if not cfg.tie_embeddings:
-        specs["head"] = nn.linear_param(d, cfg.vocab_size, axes=("vocab", "embed"), std=std)
-    return specs
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:
@@ -201,32 +191,9 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     forward + backward = 12 * L * T * H * Dh, halved for the causal mask
     (PaLM's formula counts the full 12).
     """
-    d, dh = cfg.dim, cfg.head_dim
-    attn = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh
-    mlp = 3 * d * cfg.ffn_dim
-    matmul = cfg.n_layers * (attn + mlp) + cfg.vocab_size * d
-    return float(6 * matmul + 6 * cfg.n_layers * seq_len * cfg.n_heads * dh)
-
-
-def _attention_block(
-    cfg: Config,
-    p: Mapping[str, torch.Tensor],
-    x: torch.Tensor,  # (B, T, D) normed
-    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
-    sin: torch.Tensor,
-) -> torch.Tensor:  # (B, T, D)
-    b, t, _ = x.shape
-    q = nn.linear(x, p["wq"]).view(b, t, cfg.n_heads, cfg.head_dim)
-    k = nn.linear(x, p["wk"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = nn.linear(x, p["wv"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
-    q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
-    o = nn.attention(q, k, v, impl=cfg.attn_impl, causal=True)
-    return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
-
-
-def _head(cfg: Config, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
-    return params["embed"] if cfg.tie_embeddings else params["head"]
+    attn, scores = decoder.attention_flops(cfg, seq_len)
+    matmul = cfg.n_layers * (attn + 3 * cfg.dim * cfg.ffn_dim) + cfg.vocab_size * cfg.dim
+    return float(6 * matmul + scores)
 
 
 def _apply(
@@ -240,20 +207,11 @@ def _apply(
 ) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
     if cache is not None:
         raise NotImplementedError("llama.apply: KV cache is not implemented yet; pass cache=None")
-    if tokens.dim() != 2:
-        raise ValueError(f"llama.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-    inv_freq = nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device=tokens.device)
-    cos, sin = nn.rope_cos_sin(positions, inv_freq)
-    h = nn.embed(tokens, params["embed"])
-    # explicit order 0..L-1: dict/optree order would put "10" before "2"
-    for i in range(cfg.n_layers):
-        p = params["layers"][str(i)]
-        h = h + _attention_block(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
-        h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
-    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
-    return (nn.linear(h, _head(cfg, params)) if logits else h), cache
+    # KV-cache seam: decoder.attention is where a cache would append (k, v)
+    out = decoder.dense_forward(
+        cfg, params, tokens, positions=positions, logits=logits, family="llama", scaling=cfg.rope_scaling
+    )
+    return out, cache
 
 
 def model(cfg: Config) -> Model:
@@ -269,7 +227,7 @@ def model(cfg: Config) -> Model:
         config=cfg,
         init=init,
         apply=functools.partial(_apply, cfg),
-        head=functools.partial(_head, cfg),
+        head=functools.partial(decoder.output_head, cfg),
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
     )
@@ -292,14 +250,7 @@ _HF_LAYER = {
 
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``LlamaForCausalLM`` name, one rename per leaf."""
-    maps = [
-        hf.WeightMap(path="embed", names=("model.embed_tokens.weight",)),
-        hf.WeightMap(path="norm", names=("model.norm.weight",)),
-        *hf.per_layer(cfg.n_layers, _HF_LAYER),
-    ]
-    if not cfg.tie_embeddings:
-        maps.append(hf.WeightMap(path="head", names=("lm_head.weight",)))
-    return maps
+    return [*decoder.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, _HF_LAYER)]
 
 
 def _hf_ignored(cfg: Config) -> tuple[str, ...]:

@@ -40,9 +40,8 @@ attention names and config fields) are shared with ``qwen3_moe``.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import torch
@@ -50,6 +49,19 @@ import torch
 from ftitan import nn, tree
 from ftitan.models import hf
 from ftitan.models.base import Model
+from ftitan.models.decoder import (
+    AttentionConfig,
+    attention,
+    attention_flops,
+    attention_params,
+    check_positive_int,
+    dense_forward,
+    head_params,
+    hf_outer_weights,
+    output_head,
+    residual_std,
+    rope,
+)
 from ftitan.nn.attention import IMPLS, AttentionImpl
 
 __all__ = [
@@ -147,42 +159,6 @@ FLAVORS = {
 }
 
 
-class AttentionConfig(Protocol):
-    """What the shared attention pieces read from a config (``qwen3.Config``, ``qwen3_moe.Config``)."""
-
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def dim(self) -> int: ...
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def n_heads(self) -> int: ...
-    @property
-    def n_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def norm_eps(self) -> float: ...
-    @property
-    def rope_theta(self) -> float: ...
-    @property
-    def max_seq_len(self) -> int: ...
-    @property
-    def tie_embeddings(self) -> bool: ...
-    @property
-    def attn_impl(self) -> AttentionImpl: ...
-    @property
-    def init_std(self) -> float: ...
-
-
-def check_positive_int(cfg: Any, family: str, name: str) -> None:
-    """Raise naming ``{family}.Config.{name}`` unless that field is a positive int (bools refused)."""
-    value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{family}.Config.{name}={value!r}: must be a positive int")
-
-
 def check_config(cfg: AttentionConfig, family: str) -> None:
     """Validation shared with ``qwen3_moe.Config`` (``family`` names the culprit's class)."""
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
@@ -201,31 +177,13 @@ def check_config(cfg: AttentionConfig, family: str) -> None:
             raise ValueError(f"{family}.Config.{name}={getattr(cfg, name)!r}: must be > 0")
 
 
-def residual_std(cfg: AttentionConfig) -> float:
-    """Init std of the residual-branch outputs (wo, w2): ``init_std / sqrt(2L)``, GPT-2 style depth scaling."""
-    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
-
-
-def attention_params(cfg: AttentionConfig) -> dict[str, nn.Param]:
-    """Specs of one QK-normed GQA attention block (see the params tree in the module docstring)."""
-    d, q_dim, kv_dim, std = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.init_std
-    return {
-        "wq": nn.linear_param(d, q_dim, axes=("heads", "embed"), std=std),
-        "wk": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
-        "wv": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
-        "wo": nn.linear_param(q_dim, d, axes=("embed", "heads"), std=residual_std(cfg)),
-        "q_norm": nn.norm_param(cfg.head_dim),
-        "k_norm": nn.norm_param(cfg.head_dim),
-    }
-
-
 def param_specs(cfg: Config) -> dict[str, Any]:
     """Tree of ``nn.Param`` specs (shape, logical axes, init) shaped like the params."""
 
     def layer() -> dict[str, Any]:
         return {
             "attn_norm": nn.norm_param(cfg.dim),
-            "attn": attention_params(cfg),
+            "attn": attention_params(cfg, qk_norm=True),
             "mlp_norm": nn.norm_param(cfg.dim),
             "mlp": nn.swiglu_params(cfg.dim, cfg.ffn_dim, std=cfg.init_std, out_std=residual_std(cfg)),
         }
@@ -236,20 +194,6 @@ def param_specs(cfg: Config) -> dict[str, Any]:
         "norm": nn.norm_param(cfg.dim),
         **head_params(cfg),
     }
-
-
-def head_params(cfg: AttentionConfig) -> dict[str, nn.Param]:
-    """``{"head": (V, D)}``, or ``{}`` when the head is tied to the embedding."""
-    if cfg.tie_embeddings:
-        return {}
-    return {"head": nn.linear_param(cfg.dim, cfg.vocab_size, axes=("vocab", "embed"), std=cfg.init_std)}
-
-
-def attention_flops(cfg: AttentionConfig, seq_len: int) -> tuple[int, int]:
-    """``(matmul weights per layer, 6 * L * T * H * Dh)``: the attention terms of ``flops_per_token``."""
-    d, dh = cfg.dim, cfg.head_dim
-    weights = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh
-    return weights, 6 * cfg.n_layers * seq_len * cfg.n_heads * dh
 
 
 def flops_per_token(cfg: Config, seq_len: int) -> float:
@@ -267,41 +211,6 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     return float(6 * matmul + scores)
 
 
-def attention(
-    cfg: AttentionConfig,
-    p: Mapping[str, torch.Tensor],
-    x: torch.Tensor,  # (B, T, D) normed
-    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
-    sin: torch.Tensor,
-) -> torch.Tensor:  # (B, T, D)
-    """QK-normed GQA attention: ``rms_norm`` over each head of q and k, then RoPE, then causal attention."""
-    b, t, _ = x.shape
-    q = nn.linear(x, p["wq"]).view(b, t, cfg.n_heads, cfg.head_dim)
-    k = nn.linear(x, p["wk"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = nn.linear(x, p["wv"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
-    q = nn.apply_rope(nn.rms_norm(q, p["q_norm"], cfg.norm_eps), cos, sin)
-    k = nn.apply_rope(nn.rms_norm(k, p["k_norm"], cfg.norm_eps), cos, sin)
-    # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
-    o = nn.attention(q, k, v, impl=cfg.attn_impl, causal=True)
-    return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
-
-
-def rope(
-    cfg: AttentionConfig, tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str
-) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
-    """Checks ``tokens`` (B, T) and returns RoPE angles for ``positions`` (default ``arange(T)``)."""
-    if tokens.dim() != 2:
-        raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-    return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, device=tokens.device))
-
-
-def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
-    """Weight of the output projection: the embedding table when tied."""
-    return params["embed"] if cfg.tie_embeddings else params["head"]
-
-
 def _apply(
     cfg: Config,
     params: Mapping[str, Any],
@@ -313,15 +222,7 @@ def _apply(
 ) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
     if cache is not None:
         raise NotImplementedError("qwen3.apply: KV cache is not implemented yet; pass cache=None")
-    cos, sin = rope(cfg, tokens, positions, family="qwen3")
-    h = nn.embed(tokens, params["embed"])
-    # explicit order 0..L-1: dict/optree order would put "10" before "2"
-    for i in range(cfg.n_layers):
-        p = params["layers"][str(i)]
-        h = h + attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
-        h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
-    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
-    return (nn.linear(h, output_head(cfg, params)) if logits else h), cache
+    return dense_forward(cfg, params, tokens, positions=positions, logits=logits, family="qwen3"), cache
 
 
 def model(cfg: Config) -> Model:
@@ -360,17 +261,6 @@ HF_MLP = {
     "layers.{i}.mlp.w2": "model.layers.{i}.mlp.down_proj.weight",
     "layers.{i}.mlp.w3": "model.layers.{i}.mlp.up_proj.weight",
 }
-
-
-def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
-    """Embedding, final norm and (untied) head: the non-layer HF names shared with ``qwen3_moe``."""
-    maps = [
-        hf.WeightMap(path="embed", names=("model.embed_tokens.weight",)),
-        hf.WeightMap(path="norm", names=("model.norm.weight",)),
-    ]
-    if not cfg.tie_embeddings:
-        maps.append(hf.WeightMap(path="head", names=("lm_head.weight",)))
-    return maps
 
 
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:

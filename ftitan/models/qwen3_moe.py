@@ -172,7 +172,7 @@ def param_specs(cfg: Config) -> dict[str, Any]:
             if i in cfg.dense_layers
             else {"moe": nn.moe_params(cfg.dim, cfg.moe, std=std, out_std=out_std)}
         )
-        return {"attn_norm": nn.norm_param(cfg.dim), "attn": qwen3.attention_params(cfg),
+        return {"attn_norm": nn.norm_param(cfg.dim), "attn": qwen3.attention_params(cfg, qk_norm=True),
                 "mlp_norm": nn.norm_param(cfg.dim), **ffn}  # fmt: skip
 
     return {

@@ -1,0 +1,175 @@
+"""Pieces shared by the pre-norm GQA decoder families (Llama 3, Qwen3, Qwen3-MoE).
+
+Each family module keeps its own config, params tree and HF table; what is
+the same in all of them lives here once: attention block specs and apply
+(with optional QK-norm), RoPE angles, the output head, residual init
+scaling, attention FLOPs, and the non-layer HF names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from ftitan import nn
+from ftitan.models import hf
+from ftitan.nn.attention import AttentionImpl
+
+__all__ = [
+    "AttentionConfig",
+    "attention",
+    "attention_flops",
+    "attention_params",
+    "dense_forward",
+    "check_positive_int",
+    "head_params",
+    "hf_outer_weights",
+    "output_head",
+    "residual_std",
+    "rope",
+]
+
+
+class AttentionConfig(Protocol):
+    """What the shared pieces read from a config (``llama``, ``qwen3``, ``qwen3_moe`` Configs)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def dim(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def norm_eps(self) -> float: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def tie_embeddings(self) -> bool: ...
+    @property
+    def attn_impl(self) -> AttentionImpl: ...
+    @property
+    def init_std(self) -> float: ...
+
+
+def check_positive_int(cfg: Any, family: str, name: str) -> None:
+    """Raise naming ``{family}.Config.{name}`` unless that field is a positive int (bools refused)."""
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{family}.Config.{name}={value!r}: must be a positive int")
+
+
+def residual_std(cfg: AttentionConfig) -> float:
+    """Init std of the residual-branch outputs (wo, w2): ``init_std / sqrt(2L)``, GPT-2 style depth scaling."""
+    return cfg.init_std / math.sqrt(2 * cfg.n_layers)
+
+
+def attention_params(cfg: AttentionConfig, *, qk_norm: bool) -> dict[str, nn.Param]:
+    """Specs of one GQA attention block ``{wq, wk, wv, wo}``, plus ``{q_norm, k_norm}`` with ``qk_norm``."""
+    d, q_dim, kv_dim, std = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.init_std
+    return {
+        "wq": nn.linear_param(d, q_dim, axes=("heads", "embed"), std=std),
+        "wk": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
+        "wv": nn.linear_param(d, kv_dim, axes=("kv_heads", "embed"), std=std),
+        "wo": nn.linear_param(q_dim, d, axes=("embed", "heads"), std=residual_std(cfg)),
+        **({"q_norm": nn.norm_param(cfg.head_dim), "k_norm": nn.norm_param(cfg.head_dim)} if qk_norm else {}),
+    }
+
+
+def head_params(cfg: AttentionConfig) -> dict[str, nn.Param]:
+    """``{"head": (V, D)}``, or ``{}`` when the head is tied to the embedding."""
+    if cfg.tie_embeddings:
+        return {}
+    return {"head": nn.linear_param(cfg.dim, cfg.vocab_size, axes=("vocab", "embed"), std=cfg.init_std)}
+
+
+def attention_flops(cfg: AttentionConfig, seq_len: int) -> tuple[int, int]:
+    """``(matmul weights per layer, 6 * L * T * H * Dh)``: the attention terms of ``flops_per_token``."""
+    d, dh = cfg.dim, cfg.head_dim
+    weights = 2 * d * cfg.n_heads * dh + 2 * d * cfg.n_kv_heads * dh
+    return weights, 6 * cfg.n_layers * seq_len * cfg.n_heads * dh
+
+
+def attention(
+    cfg: AttentionConfig,
+    p: Mapping[str, torch.Tensor],
+    x: torch.Tensor,  # (B, T, D) normed
+    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
+    sin: torch.Tensor,
+) -> torch.Tensor:  # (B, T, D)
+    """GQA attention: (QK-norm: ``rms_norm`` over each head of q and k, when ``p`` has
+    ``q_norm``/``k_norm``), then RoPE, then causal attention."""
+    b, t, _ = x.shape
+    q = nn.linear(x, p["wq"]).view(b, t, cfg.n_heads, cfg.head_dim)
+    k = nn.linear(x, p["wk"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = nn.linear(x, p["wv"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    if "q_norm" in p:  # Qwen3
+        q, k = nn.rms_norm(q, p["q_norm"], cfg.norm_eps), nn.rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+    # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
+    o = nn.attention(q, k, v, impl=cfg.attn_impl, causal=True)
+    return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
+
+
+def rope(
+    cfg: AttentionConfig,
+    tokens: torch.Tensor,
+    positions: torch.Tensor | None,
+    *,
+    family: str,
+    scaling: nn.Llama3RopeScaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
+    """Checks ``tokens`` (B, T) and returns RoPE angles for ``positions`` (default ``arange(T)``)."""
+    if tokens.dim() != 2:
+        raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    if positions is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=tokens.device))
+
+
+def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
+    """Weight of the output projection: the embedding table when tied."""
+    return params["embed"] if cfg.tie_embeddings else params["head"]
+
+
+def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
+    """Embedding, final norm and (untied) head: the non-layer HF names of the Llama-style families."""
+    maps = [
+        hf.WeightMap(path="embed", names=("model.embed_tokens.weight",)),
+        hf.WeightMap(path="norm", names=("model.norm.weight",)),
+    ]
+    if not cfg.tie_embeddings:
+        maps.append(hf.WeightMap(path="head", names=("lm_head.weight",)))
+    return maps
+
+
+def dense_forward(
+    cfg: Any,  # an AttentionConfig with ffn_dim
+    params: Mapping[str, Any],
+    tokens: torch.Tensor,  # (B, T) int
+    *,
+    positions: torch.Tensor | None,  # (T,) | (B, T) int; default arange(T)
+    logits: bool,
+    family: str,
+    scaling: nn.Llama3RopeScaling | None = None,
+) -> torch.Tensor:  # (B, T, V) logits | (B, T, D) final-normed hidden
+    """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head."""
+    cos, sin = rope(cfg, tokens, positions, family=family, scaling=scaling)
+    h = nn.embed(tokens, params["embed"])
+    # explicit order 0..L-1: dict/optree order would put "10" before "2"
+    for i in range(cfg.n_layers):
+        p = params["layers"][str(i)]
+        h = h + attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
+        h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
+    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
+    return nn.linear(h, output_head(cfg, params)) if logits else h
