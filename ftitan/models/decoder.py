@@ -25,9 +25,15 @@ __all__ = [
     "attention_params",
     "dense_forward",
     "check_positive_int",
+    "HF_ATTENTION",
+    "HF_MLP",
+    "HF_QK_NORM",
     "head_params",
+    "hf_common_to_hf",
+    "hf_ignored",
     "hf_outer_weights",
     "output_head",
+    "positions_for",
     "residual_std",
     "rope",
 ]
@@ -121,6 +127,13 @@ def attention(
     return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
 
 
+def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str) -> torch.Tensor:
+    """Checks ``tokens`` is (B, T); ``positions`` as given, default ``arange(T)``: (T,) | (B, T)."""
+    if tokens.dim() != 2:
+        raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    return torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+
+
 def rope(
     cfg: AttentionConfig,
     tokens: torch.Tensor,
@@ -129,11 +142,8 @@ def rope(
     family: str,
     scaling: nn.Llama3RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
-    """Checks ``tokens`` (B, T) and returns RoPE angles for ``positions`` (default ``arange(T)``)."""
-    if tokens.dim() != 2:
-        raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    """RoPE angles for ``positions_for(tokens, positions)``."""
+    positions = positions_for(tokens, positions, family=family)
     return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=tokens.device))
 
 
@@ -173,3 +183,49 @@ def dense_forward(
         h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
     h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
     return nn.linear(h, output_head(cfg, params)) if logits else h
+
+
+# per-layer HF names of the Llama-style decoders (Llama, Qwen3, Qwen3-MoE's attention half)
+HF_ATTENTION = {
+    "layers.{i}.attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.attn.wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.attn.wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.attn.wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.attn.wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+}
+HF_QK_NORM = {
+    "layers.{i}.attn.q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.attn.k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+}
+HF_MLP = {
+    "layers.{i}.mlp.w1": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.w2": "model.layers.{i}.mlp.down_proj.weight",
+    "layers.{i}.mlp.w3": "model.layers.{i}.mlp.up_proj.weight",
+}
+
+
+def hf_ignored(cfg: AttentionConfig) -> tuple[str, ...]:
+    """Checkpoint names skipped on import: old exports' rotary buffers, and the head of tied
+    checkpoints (Llama 3.2 1B/3B, Qwen3-0.6B/1.7B/4B still store ``lm_head.weight``; HF ignores it too)."""
+    return ("**.rotary_emb.inv_freq", *(("lm_head.weight",) if cfg.tie_embeddings else ()))
+
+
+def hf_common_to_hf(cfg: AttentionConfig) -> dict[str, Any]:
+    """HF config fields of the attention/embedding side (default RoPE; a family overrides ``rope_parameters``)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+    }

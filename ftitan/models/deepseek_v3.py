@@ -60,7 +60,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
-from ftitan.models import hf
+from ftitan.models import decoder, hf
 from ftitan.models.base import Model, drop_aux
 from ftitan.nn import mla as mla_
 from ftitan.nn import moe as moe_
@@ -324,11 +324,7 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     if cache is not None:
         raise NotImplementedError("deepseek_v3.apply: KV cache is not implemented yet; pass cache=None")
-    if tokens.dim() != 2:
-        raise ValueError(f"deepseek_v3.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
-    if positions is None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-    cos, sin = mla_.mla_rope(positions, mla_cfg)
+    cos, sin = mla_.mla_rope(decoder.positions_for(tokens, positions, family="deepseek_v3"), mla_cfg)
     h = nn.embed(tokens, params["embed"])
     stats = []
     # explicit order 0..L-1: dict/optree order would put "10" before "2"
@@ -416,23 +412,6 @@ _HF_ATTN = {  # ftitan MLA leaf -> HF DeepseekV3Attention module
 _HF_SWIGLU = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-def _split_experts(x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (E, ...) -> E views, no copy
-    return x.unbind(0)
-
-
-def _stacker(path: str, names: tuple[str, ...], shape: tuple[int, int]) -> Any:
-    def stack(ts: Any) -> torch.Tensor:  # E tensors (Fe, D) | (D, Fe) -> (E, ...)
-        for name, t in zip(names, ts, strict=True):
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"{path} (from {name}): checkpoint shape {tuple(t.shape)}, config expects {shape} per expert; "
-                    f"is moe_ffn_dim/dim the checkpoint's moe_intermediate_size/hidden_size?"
-                )
-        return torch.stack(list(ts))
-
-    return stack
-
-
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``DeepseekV3ForCausalLM`` checkpoint names.
 
@@ -467,8 +446,7 @@ def hf_weights(cfg: Config) -> list[hf.WeightMap]:
             path = f"layers.{i}.moe.experts.{k}"
             names = tuple(f"{pre}.mlp.experts.{e}.{n}.weight" for e in range(cfg.n_experts))
             shape = (cfg.dim, cfg.moe_ffn_dim) if k == "w2" else (cfg.moe_ffn_dim, cfg.dim)
-            maps.append(hf.WeightMap(path=path, names=names, to_hf=_split_experts,
-                                     from_hf=_stacker(path, names, shape)))  # fmt: skip
+            maps.append(hf.stacked(path, names, shape))
             if cfg.n_shared_experts:
                 name = f"{pre}.mlp.shared_experts.{n}.weight"
                 maps.append(hf.WeightMap(path=f"layers.{i}.moe.shared.{k}", names=(name,)))

@@ -42,6 +42,7 @@ __all__ = [
     "from_hf",
     "load_hf",
     "per_layer",
+    "stacked",
     "register_family",
     "save_hf",
     "to_hf",
@@ -70,6 +71,25 @@ def per_layer(n_layers: int, table: Mapping[str, str]) -> list[WeightMap]:
     return [
         WeightMap(path=p.format(i=i), names=(n.format(i=i),)) for i in range(n_layers) for p, n in table.items()
     ]
+
+
+def stacked(path: str, names: Sequence[str], shape: tuple[int, ...]) -> WeightMap:
+    """A stacked ``(E, *shape)`` leaf (MoE experts) stored as ``E`` checkpoint tensors, one per name.
+
+    Export hands out views of the leaf's rows (disjoint, so safetensors writes
+    them without a copy); import checks each tensor's shape, naming it, then stacks.
+    """
+    names = tuple(names)
+
+    def join(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        for name, t in zip(names, tensors, strict=True):
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(
+                    f"{path} (from {name}): checkpoint shape {tuple(t.shape)}, config expects {tuple(shape)} per expert"
+                )
+        return torch.stack(tuple(tensors))
+
+    return WeightMap(path=path, names=names, to_hf=lambda x: x.unbind(0), from_hf=join)
 
 
 @attrs.frozen(kw_only=True)

@@ -235,27 +235,10 @@ def model(cfg: Config) -> Model:
 
 # ---------------------------------------------------------------- HF checkpoints
 
-_HF_LAYER = {
-    "layers.{i}.attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attn.wq": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attn.wk": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attn.wv": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attn.wo": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "layers.{i}.mlp.w1": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.w2": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.mlp.w3": "model.layers.{i}.mlp.up_proj.weight",
-}
-
-
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``LlamaForCausalLM`` name, one rename per leaf."""
-    return [*decoder.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, _HF_LAYER)]
-
-
-def _hf_ignored(cfg: Config) -> tuple[str, ...]:
-    # old exports carry rotary buffers; tied exports sometimes still carry the head (HF ignores it too)
-    return ("**.rotary_emb.inv_freq", *(("lm_head.weight",) if cfg.tie_embeddings else ()))
+    layer = {**decoder.HF_ATTENTION, **decoder.HF_MLP}
+    return [*decoder.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, layer)]
 
 
 def config_to_hf(cfg: Config) -> dict[str, Any]:
@@ -266,21 +249,9 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
+        **decoder.hf_common_to_hf(cfg),
         "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "mlp_bias": False,
     }
 
@@ -341,6 +312,6 @@ hf.register_family(
         weights=hf_weights,
         config_to_hf=config_to_hf,
         config_from_hf=config_from_hf,
-        ignored=_hf_ignored,
+        ignored=decoder.hf_ignored,
     )
 )

@@ -33,8 +33,9 @@ Params tree::
      "norm": (D,),
      "head": (V, D)}            # absent when tie_embeddings
 
-The attention pieces (``attention_params``, ``attention``, ``rope``, the HF
-attention names and config fields) are shared with ``qwen3_moe``.
+The attention block, RoPE, head and HF names come from ``ftitan.models.decoder``
+(shared with Llama); the Qwen-specific HF config fields and checks here are
+shared with ``qwen3_moe``.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ import attrs
 import torch
 
 from ftitan import nn, tree
-from ftitan.models import hf
+from ftitan.models import decoder, hf
 from ftitan.models.base import Model
 from ftitan.models.decoder import (
+    HF_ATTENTION,
+    HF_MLP,
+    HF_QK_NORM,
     AttentionConfig,
     attention,
     attention_flops,
@@ -57,6 +61,7 @@ from ftitan.models.decoder import (
     check_positive_int,
     dense_forward,
     head_params,
+    hf_ignored,
     hf_outer_weights,
     output_head,
     residual_std,
@@ -66,10 +71,7 @@ from ftitan.nn.attention import IMPLS, AttentionImpl
 
 __all__ = [
     "FLAVORS",
-    "AttentionConfig",
     "Config",
-    "attention",
-    "attention_params",
     "config_from_hf",
     "config_to_hf",
     "flops_per_token",
@@ -246,54 +248,14 @@ def model(cfg: Config) -> Model:
 
 # ---------------------------------------------------------------- HF checkpoints
 
-HF_ATTENTION = {
-    "layers.{i}.attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "layers.{i}.attn.wq": "model.layers.{i}.self_attn.q_proj.weight",
-    "layers.{i}.attn.wk": "model.layers.{i}.self_attn.k_proj.weight",
-    "layers.{i}.attn.wv": "model.layers.{i}.self_attn.v_proj.weight",
-    "layers.{i}.attn.wo": "model.layers.{i}.self_attn.o_proj.weight",
-    "layers.{i}.attn.q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "layers.{i}.attn.k_norm": "model.layers.{i}.self_attn.k_norm.weight",
-    "layers.{i}.mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-}
-HF_MLP = {
-    "layers.{i}.mlp.w1": "model.layers.{i}.mlp.gate_proj.weight",
-    "layers.{i}.mlp.w2": "model.layers.{i}.mlp.down_proj.weight",
-    "layers.{i}.mlp.w3": "model.layers.{i}.mlp.up_proj.weight",
-}
-
-
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``Qwen3ForCausalLM`` name, one rename per leaf."""
-    return [*hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, {**HF_ATTENTION, **HF_MLP})]
-
-
-def hf_ignored(cfg: AttentionConfig) -> tuple[str, ...]:
-    """Checkpoint names skipped on import."""
-    # tied hub checkpoints (Qwen3-0.6B/1.7B/4B) still store lm_head.weight, a copy of the embedding
-    return ("**.rotary_emb.inv_freq", *(("lm_head.weight",) if cfg.tie_embeddings else ()))
+    return [*hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, {**HF_ATTENTION, **HF_QK_NORM, **HF_MLP})]
 
 
 def hf_common_to_hf(cfg: AttentionConfig) -> dict[str, Any]:
     """HF config fields of the attention/embedding side, shared with ``qwen3_moe``."""
-    return {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-    }
+    return {**decoder.hf_common_to_hf(cfg), "use_sliding_window": False, "sliding_window": None}
 
 
 def config_to_hf(cfg: Config) -> dict[str, Any]:

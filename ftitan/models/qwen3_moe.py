@@ -50,7 +50,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
-from ftitan.models import base, hf, qwen3
+from ftitan.models import base, decoder, hf, qwen3
 from ftitan.models.base import Model
 from ftitan.nn.attention import AttentionImpl
 from ftitan.nn.moe import MoEConfig
@@ -101,7 +101,7 @@ class Config:
     def __attrs_post_init__(self) -> None:
         qwen3.check_config(self, "qwen3_moe")
         for name in ("n_experts", "top_k", "expert_dim", "ffn_dim"):
-            qwen3.check_positive_int(self, "qwen3_moe", name)
+            decoder.check_positive_int(self, "qwen3_moe", name)
         if self.top_k > self.n_experts:
             raise ValueError(f"qwen3_moe.Config: top_k={self.top_k} exceeds n_experts={self.n_experts}")
         if not self.aux_loss_coef >= 0:
@@ -164,7 +164,7 @@ FLAVORS = {
 
 def param_specs(cfg: Config) -> dict[str, Any]:
     """Tree of ``nn.Param`` specs (shape, logical axes, init) shaped like the params."""
-    std, out_std = cfg.init_std, qwen3.residual_std(cfg)
+    std, out_std = cfg.init_std, decoder.residual_std(cfg)
 
     def layer(i: int) -> dict[str, Any]:
         ffn = (
@@ -172,14 +172,14 @@ def param_specs(cfg: Config) -> dict[str, Any]:
             if i in cfg.dense_layers
             else {"moe": nn.moe_params(cfg.dim, cfg.moe, std=std, out_std=out_std)}
         )
-        return {"attn_norm": nn.norm_param(cfg.dim), "attn": qwen3.attention_params(cfg, qk_norm=True),
+        return {"attn_norm": nn.norm_param(cfg.dim), "attn": decoder.attention_params(cfg, qk_norm=True),
                 "mlp_norm": nn.norm_param(cfg.dim), **ffn}  # fmt: skip
 
     return {
         "embed": nn.embed_param(cfg.vocab_size, cfg.dim, std=std),
         "layers": {str(i): layer(i) for i in range(cfg.n_layers)},
         "norm": nn.norm_param(cfg.dim),
-        **qwen3.head_params(cfg),
+        **decoder.head_params(cfg),
     }
 
 
@@ -205,7 +205,7 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     backward, halved for the causal mask (as ``qwen3.flops_per_token``).
     Routing, dispatch and the softmax are not counted.
     """
-    attn, scores = qwen3.attention_flops(cfg, seq_len)
+    attn, scores = decoder.attention_flops(cfg, seq_len)
     moe = cfg.n_experts * cfg.dim + cfg.top_k * 3 * cfg.dim * cfg.expert_dim
     dense = 3 * cfg.dim * cfg.ffn_dim
     n_moe = len(cfg.moe_layers)
@@ -225,13 +225,13 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     if cache is not None:
         raise NotImplementedError("qwen3_moe.apply: KV cache is not implemented yet; pass cache=None")
-    cos, sin = qwen3.rope(cfg, tokens, positions, family="qwen3_moe")
+    cos, sin = decoder.rope(cfg, tokens, positions, family="qwen3_moe")
     h = nn.embed(tokens, params["embed"])
     stats = []
     # explicit order 0..L-1: dict/optree order would put "10" before "2"
     for i in range(cfg.n_layers):
         p = params["layers"][str(i)]
-        h = h + qwen3.attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
+        h = h + decoder.attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
         x = nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps)
         if "moe" in p:
             y, s = nn.moe.moe(x, p["moe"], moe_cfg)
@@ -240,7 +240,7 @@ def _apply_with_aux(
             y = nn.swiglu(x, **p["mlp"])
         h = h + y
     h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
-    out = nn.linear(h, qwen3.output_head(cfg, params)) if logits else h
+    out = nn.linear(h, decoder.output_head(cfg, params)) if logits else h
     return out, cache, nn.moe.moe_aux(stats, moe_cfg)
 
 
@@ -258,7 +258,7 @@ def model(cfg: Config) -> Model:
         config=cfg,
         init=init,
         apply=base.drop_aux(apply_with_aux),
-        head=functools.partial(qwen3.output_head, cfg),
+        head=functools.partial(decoder.output_head, cfg),
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
         apply_with_aux=apply_with_aux,
@@ -268,37 +268,22 @@ def model(cfg: Config) -> Model:
 # ---------------------------------------------------------------- HF checkpoints
 
 
-def _unstack(w: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (E, ...) -> E x (...)
-    # views of disjoint rows: safetensors writes them without copying the leaf
-    return tuple(w.unbind(0))
-
-
-def _stacker(path: str, names: tuple[str, ...], shape: tuple[int, int]) -> Any:
-    def stack(ws: Sequence[torch.Tensor]) -> torch.Tensor:  # E x (...) -> (E, ...)
-        for name, w in zip(names, ws, strict=True):
-            if tuple(w.shape) != shape:
-                raise ValueError(f"{path} (from {name}): checkpoint shape {tuple(w.shape)}, config expects {shape}")
-        return torch.stack(tuple(ws))
-
-    return stack
-
-
 def _expert_weights(cfg: Config, i: int) -> list[hf.WeightMap]:
     d, fe, experts = cfg.dim, cfg.expert_dim, f"model.layers.{i}.mlp.experts"
     maps = [hf.WeightMap(path=f"layers.{i}.moe.router", names=(f"model.layers.{i}.mlp.gate.weight",))]
     for leaf, proj, shape in (("w1", "gate_proj", (fe, d)), ("w2", "down_proj", (d, fe)), ("w3", "up_proj", (fe, d))):
         path = f"layers.{i}.moe.experts.{leaf}"
         names = tuple(f"{experts}.{e}.{proj}.weight" for e in range(cfg.n_experts))
-        maps.append(hf.WeightMap(path=path, names=names, to_hf=_unstack, from_hf=_stacker(path, names, shape)))
+        maps.append(hf.stacked(path, names, shape))
     return maps
 
 
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``Qwen3MoeForCausalLM`` checkpoint names (hub layout: one tensor per expert)."""
-    maps = [*qwen3.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, qwen3.HF_ATTENTION)]
+    maps = [*decoder.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, {**decoder.HF_ATTENTION, **decoder.HF_QK_NORM})]
     for i in range(cfg.n_layers):
         if i in cfg.dense_layers:
-            maps += [hf.WeightMap(path=p.format(i=i), names=(n.format(i=i),)) for p, n in qwen3.HF_MLP.items()]
+            maps += [hf.WeightMap(path=p.format(i=i), names=(n.format(i=i),)) for p, n in decoder.HF_MLP.items()]
         else:
             maps += _expert_weights(cfg, i)
     return maps
@@ -361,6 +346,6 @@ hf.register_family(
         weights=hf_weights,
         config_to_hf=config_to_hf,
         config_from_hf=config_from_hf,
-        ignored=qwen3.hf_ignored,
+        ignored=decoder.hf_ignored,
     )
 )
