@@ -140,7 +140,7 @@ def rope(
     positions: torch.Tensor | None,
     *,
     family: str,
-    scaling: nn.Llama3RopeScaling | None = None,
+    scaling: nn.RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
     """RoPE angles for ``positions_for(tokens, positions)``."""
     positions = positions_for(tokens, positions, family=family)
@@ -171,7 +171,7 @@ def dense_forward(
     positions: torch.Tensor | None,  # (T,) | (B, T) int; default arange(T)
     logits: bool,
     family: str,
-    scaling: nn.Llama3RopeScaling | None = None,
+    scaling: nn.RopeScaling | None = None,
 ) -> torch.Tensor:  # (B, T, V) logits | (B, T, D) final-normed hidden
     """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head."""
     cos, sin = rope(cfg, tokens, positions, family=family, scaling=scaling)

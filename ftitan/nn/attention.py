@@ -35,20 +35,21 @@ def causal_mask(t: int, s: int, *, device: torch.device | str | None = None) -> 
 def attention(
     q: torch.Tensor,  # (B, T, H, Dh)
     k: torch.Tensor,  # (B, S, KV, Dh)
-    v: torch.Tensor,  # (B, S, KV, Dh)
+    v: torch.Tensor,  # (B, S, KV, Dv)
     *,
     impl: AttentionImpl = "sdpa",
     causal: bool = True,
     scale: float | None = None,
-) -> torch.Tensor:  # (B, T, H, Dh)
+) -> torch.Tensor:  # (B, T, H, Dv)
     """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
 
     Query head ``h`` reads key/value head ``h // (H // KV)``, as HF's
-    ``repeat_kv``. ``scale`` defaults to ``Dh ** -0.5``.
+    ``repeat_kv``. ``scale`` defaults to ``Dh ** -0.5``. Values may be
+    narrower than keys (MLA: ``Dv < Dn + Dr``).
     """
     b, t, h, dh = q.shape
     s, kv = k.shape[1], k.shape[2]
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != dh:
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[3] != dh:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not line up")
     if h % kv:
         raise ValueError(f"attention: {h} query heads are not a multiple of {kv} key/value heads")
@@ -88,6 +89,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sc
 
 def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
     b, t, h, dh = q.shape
+    dv = v.shape[3]
     s, kv = k.shape[1], k.shape[2]
     # group query heads by the kv head they read, instead of repeating K/V
     qg = q.reshape(b, t, kv, h // kv, dh)
@@ -96,4 +98,4 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sc
         scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, dh)
+    return out.reshape(b, t, h, dv)

@@ -47,15 +47,14 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-from ftitan.nn.attention import IMPLS, AttentionImpl, causal_mask
+from ftitan.nn.attention import IMPLS, AttentionImpl, attention
 from ftitan.nn.linear import linear, linear_param
 from ftitan.nn.norm import norm_param, rms_norm
 from ftitan.nn.param import Param, init
 from ftitan.nn.rope import YarnRopeScaling, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq, yarn_mscale
 
-__all__ = ["MLAConfig", "init_mla", "mla", "mla_attention", "mla_params", "mla_rope"]
+__all__ = ["MLAConfig", "init_mla", "mla", "mla_params", "mla_rope"]
 
 
 def _positive_int(_inst: Any, attr: attrs.Attribute, value: Any) -> None:
@@ -162,36 +161,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: boo
     return apply_rope(x, cos, sin)
 
 
-def mla_attention(
-    q: torch.Tensor,  # (B, T, H, Dqk)
-    k: torch.Tensor,  # (B, S, H, Dqk)
-    v: torch.Tensor,  # (B, S, H, Dv); Dv may differ from Dqk
-    *,
-    scale: float,
-    impl: AttentionImpl = "sdpa",
-) -> torch.Tensor:  # (B, T, H, Dv)
-    """Causal attention whose values are narrower than its keys (``nn.attention`` needs equal widths).
-
-    Queries may be fewer than keys (a KV cache): the mask is aligned
-    bottom-right, as in ``nn.attention``.
-    """
-    t, s = q.shape[1], k.shape[1]
-    if impl == "sdpa":
-        square, mask = True, None
-        if t != s:  # a branch (a guard), not a SymBool, which SDPA refuses under dynamic shapes
-            square, mask = False, causal_mask(t, s, device=q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=square, scale=scale
-        )
-        return out.transpose(1, 2)
-    if impl == "math":
-        scores = torch.einsum("bthd,bshd->bhts", q, k).to(torch.float32) * scale
-        scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.einsum("bhts,bshd->bthd", probs, v)
-    raise ValueError(f"mla_attention: impl={impl!r}; expected one of {IMPLS}")
-
-
 def mla(
     x: torch.Tensor,  # (B, T, D) normed
     p: Mapping[str, torch.Tensor],
@@ -215,5 +184,5 @@ def mla(
     k_nope, v = linear(latent, p["wkv_b"]).view(b, t, h, dn + dv).split((dn, dv), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, Dn + Dr)
     k = torch.cat((k_nope, k_rope.expand(b, t, h, dr)), dim=-1)
-    o = mla_attention(q, k, v, scale=cfg.softmax_scale, impl=cfg.attn_impl)  # (B, T, H, Dv)
+    o = attention(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.softmax_scale)  # (B, T, H, Dv)
     return linear(o.reshape(b, t, h * dv), p["wo"])

@@ -14,7 +14,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
-from ftitan import random
+from ftitan import nn, random
 from ftitan.nn import mla as M
 from ftitan.nn.rope import YarnRopeScaling, rope_attention_factor, rope_inv_freq, yarn_mscale
 
@@ -145,23 +145,23 @@ def test_interleaved_rope_is_deepseeks_complex_rotation():
     torch.testing.assert_close(got, torch.cat((ref[..., 0::2], ref[..., 1::2]), -1), rtol=0, atol=1e-6)
 
 
-def test_mla_attention_sdpa_math_agree_and_are_causal():
+def test_attention_with_narrower_values_sdpa_math_agree_and_are_causal():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 7, 3, 10, generator=g), torch.randn(2, 7, 3, 10, generator=g)
     v = torch.randn(2, 7, 3, 4, generator=g)  # narrower values than keys, as in MLA
-    a = M.mla_attention(q, k, v, scale=0.3, impl="sdpa")
-    b = M.mla_attention(q, k, v, scale=0.3, impl="math")
+    a = nn.attention(q, k, v, scale=0.3, impl="sdpa")
+    b = nn.attention(q, k, v, scale=0.3, impl="math")
     assert a.shape == (2, 7, 3, 4)
     torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     v2 = v.clone()
     v2[:, 4:] += 1.0  # future values do not leak into earlier queries
-    torch.testing.assert_close(M.mla_attention(q, k, v2, scale=0.3)[:, :4], a[:, :4], rtol=0, atol=1e-6)
+    torch.testing.assert_close(nn.attention(q, k, v2, scale=0.3)[:, :4], a[:, :4], rtol=0, atol=1e-6)
     # fewer queries than keys (a cache): bottom-right aligned, same as the last rows of the full product
-    tail = M.mla_attention(q[:, 5:], k, v, scale=0.3, impl="math")
+    tail = nn.attention(q[:, 5:], k, v, scale=0.3, impl="math")
     torch.testing.assert_close(tail, b[:, 5:], rtol=0, atol=1e-6)
-    torch.testing.assert_close(M.mla_attention(q[:, 5:], k, v, scale=0.3), b[:, 5:], rtol=0, atol=1e-6)
+    torch.testing.assert_close(nn.attention(q[:, 5:], k, v, scale=0.3), b[:, 5:], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="impl='flash'"):
-        M.mla_attention(q, k, v, scale=0.3, impl="flash")  # type: ignore[arg-type]
+        nn.attention(q, k, v, scale=0.3, impl="flash")  # type: ignore[arg-type]
 
 
 def test_params_shapes_and_axes():
