@@ -175,13 +175,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         state, m = step_fn(state, batch)  # step
         step, done = i + 1, done + 1
         if step % cfg.log_every == 0 or step == cfg.steps:  # metrics
-            loss = float(m["loss"])
             now = time.perf_counter()
-            last = {"step": step, **_scalars(m), "tokens_per_s": tokens_per_step * done / (now - t_mark)}
+            last = {"step": step, **_record(m), "tokens_per_s": tokens_per_step * done / (now - t_mark)}
             t_mark, done = now, 0
             metrics.log(last)
             load = {"load": f"{last['moe.max_load']:.2f}"} if "moe.max_load" in last else {}
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}", **load)
+            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}",
+                            **load)  # fmt: skip
         t_side = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
             ev = evaluate(loss_fn, state.params, eval_ds, batch_size=cfg.data.batch_size, max_batches=cfg.eval_batches)
@@ -206,16 +206,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     }
 
 
-def _scalars(m: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The record of a step's metrics: every 0-d metric as a float (``n_tokens`` aside), MoE load as lists."""
+_MAX_LOGGED_LOADS = 4096  # larger expert grids (e.g. 58 x 384) are summarized by moe.max_load only
+
+
+def _record(m: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A step's metrics as a record: every 0-d metric as a float (``n_tokens`` aside), MoE load as lists."""
     out: dict[str, Any] = {k: float(v) for k, v in m.items() if v.ndim == 0 and k != "n_tokens"}
     load = m.get("moe.tokens_per_expert")
     if load is not None and load.numel() <= _MAX_LOGGED_LOADS:
         out["moe.tokens_per_expert"] = load.tolist()  # (L_moe, E): JSONL only, TensorBoard takes scalars
     return out
-
-
-_MAX_LOGGED_LOADS = 4096  # larger expert grids (e.g. 58 x 384) are summarized by moe.max_load only
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
