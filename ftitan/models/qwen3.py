@@ -47,7 +47,7 @@ from typing import Any
 import attrs
 import torch
 
-from ftitan import nn, tree
+from ftitan import nn
 from ftitan.models import decoder, hf
 from ftitan.models.base import Model
 from ftitan.models.decoder import (
@@ -231,14 +231,9 @@ def model(cfg: Config) -> Model:
     """The Qwen3 ``Model`` for ``cfg``: pure ``init``/``apply`` closed over the config."""
     specs = param_specs(cfg)
 
-    def init(
-        key: torch.Tensor, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-    ) -> tree.Tree:
-        return nn.init(specs, key, dtype=dtype, device=device)
-
     return Model(
         config=cfg,
-        init=init,
+        init=functools.partial(nn.init, specs),  # (key, *, dtype, device) -> params
         apply=functools.partial(_apply, cfg),
         head=functools.partial(output_head, cfg),
         param_axes=nn.axes(specs),

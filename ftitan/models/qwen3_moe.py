@@ -248,15 +248,10 @@ def model(cfg: Config) -> Model:
     """The Qwen3-MoE ``Model`` for ``cfg``: ``apply_with_aux`` also returns the router aux dict."""
     specs = param_specs(cfg)
 
-    def init(
-        key: torch.Tensor, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-    ) -> tree.Tree:
-        return nn.init(specs, key, dtype=dtype, device=device)
-
     apply_with_aux = functools.partial(_apply_with_aux, cfg, cfg.moe)
     return Model(
         config=cfg,
-        init=init,
+        init=functools.partial(nn.init, specs),  # (key, *, dtype, device) -> params
         apply=base.drop_aux(apply_with_aux),
         head=functools.partial(decoder.output_head, cfg),
         param_axes=nn.axes(specs),
