@@ -65,7 +65,7 @@ def grouped_mm(
 
     Empty groups are fine (their weight gets a zero gradient).
     Differentiable in ``x`` and ``w`` under autograd, ``torch.func`` and
-    ``torch.compile(fullgraph=True)``, in fp32 and bf16.
+    ``torch.compile(fullgraph=True)``; fp32 and bf16 (tested: compiled in fp32, bf16 eager).
     """
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0]:
         raise ValueError(
