@@ -17,11 +17,14 @@ import torch
 from ftitan import nn
 from ftitan.models import hf
 from ftitan.nn.attention import AttentionImpl
+from ftitan.parallel import activations as par
 
 __all__ = [
     "AttentionConfig",
     "attention",
     "attention_flops",
+    "mlp",
+    "norm",
     "attention_params",
     "dense_forward",
     "check_positive_int",
@@ -115,23 +118,38 @@ def attention(
 ) -> torch.Tensor:  # (B, T, D)
     """GQA attention: (QK-norm: ``rms_norm`` over each head of q and k, when ``p`` has
     ``q_norm``/``k_norm``), then RoPE, then causal attention."""
+    x = par.column_input(x)  # tensor parallel: the block's input, whole on every tp rank
     b, t, _ = x.shape
-    q = nn.linear(x, p["wq"]).view(b, t, cfg.n_heads, cfg.head_dim)
-    k = nn.linear(x, p["wk"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = nn.linear(x, p["wv"]).view(b, t, cfg.n_kv_heads, cfg.head_dim)
+    # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+    q = nn.linear(x, p["wq"]).view(b, t, -1, cfg.head_dim)
+    k = nn.linear(x, p["wk"]).view(b, t, -1, cfg.head_dim)
+    v = nn.linear(x, p["wv"]).view(b, t, -1, cfg.head_dim)
     if "q_norm" in p:  # Qwen3
-        q, k = nn.rms_norm(q, p["q_norm"], cfg.norm_eps), nn.rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps)
+        k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps)
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
-    o = nn.attention(q, k, v, impl=cfg.attn_impl, causal=True)
-    return nn.linear(o.reshape(b, t, cfg.n_heads * cfg.head_dim), p["wo"])
+    o = par.attention(q, k, v, impl=cfg.attn_impl, causal=True)
+    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"]))
+
+
+def norm(cfg: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``rms_norm`` of the residual stream (under sequence parallelism each tp rank holds its own tokens,
+    so the scale's gradient is summed over tp)."""
+    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps)
+
+
+def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Tensor:  # (B, T_local, D) normed
+    """SwiGLU MLP, column-parallel ``w1``/``w3`` and row-parallel ``w2`` under tensor parallelism."""
+    return par.row_output(nn.swiglu(par.column_input(x), **p))
 
 
 def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str) -> torch.Tensor:
     """Checks ``tokens`` is (B, T); ``positions`` as given, default ``arange(T)``: (T,) | (B, T)."""
     if tokens.dim() != 2:
         raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
-    return torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
+    # under context parallelism a rank's tokens are head-tail chunks of the sequence
+    return par.local_positions(tokens.shape[1], device=tokens.device) if positions is None else positions
 
 
 def rope(
@@ -148,8 +166,8 @@ def rope(
 
 
 def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
-    """Weight of the output projection: the embedding table when tied."""
-    return params["embed"] if cfg.tie_embeddings else params["head"]
+    """Weight of the output projection: the embedding table when tied (whole, under tensor parallelism)."""
+    return par.gather_vocab(params["embed"] if cfg.tie_embeddings else params["head"])
 
 
 def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
@@ -175,13 +193,13 @@ def dense_forward(
 ) -> torch.Tensor:  # (B, T, V) logits | (B, T, D) final-normed hidden
     """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head."""
     cos, sin = rope(cfg, tokens, positions, family=family, scaling=scaling)
-    h = nn.embed(tokens, params["embed"])
+    h = par.embed(tokens, params["embed"])
     # explicit order 0..L-1: dict/optree order would put "10" before "2"
     for i in range(cfg.n_layers):
         p = params["layers"][str(i)]
-        h = h + attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
-        h = h + nn.swiglu(nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps), **p["mlp"])
-    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
+        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin)
+        h = h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"])
+    h = par.column_input(norm(cfg, h, params["norm"]))  # (B, T, D): whole on every tp rank
     return nn.linear(h, output_head(cfg, params)) if logits else h
 
 

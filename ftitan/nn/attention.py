@@ -40,12 +40,15 @@ def attention(
     impl: AttentionImpl = "sdpa",
     causal: bool = True,
     scale: float | None = None,
+    mask: torch.Tensor | None = None,  # (T, S) bool, True: may attend
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
 
     Query head ``h`` reads key/value head ``h // (H // KV)``, as HF's
     ``repeat_kv``. ``scale`` defaults to ``Dh ** -0.5``. Values may be
-    narrower than keys (MLA: ``Dv < Dn + Dr``).
+    narrower than keys (MLA: ``Dv < Dn + Dr``). ``mask`` (with
+    ``causal=False``) gives which keys each query sees, for layouts where
+    positions are not in order (context parallelism's head-tail chunks).
     """
     b, t, h, dh = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -55,15 +58,19 @@ def attention(
         raise ValueError(f"attention: {h} query heads are not a multiple of {kv} key/value heads")
     if causal and t > s:
         raise ValueError(f"attention: causal with more queries ({t}) than keys ({s})")
+    if mask is not None and (causal or tuple(mask.shape) != (t, s)):
+        raise ValueError(f"attention: mask {tuple(mask.shape)} must be (T, S) = {(t, s)} and comes with causal=False")
     scale = dh**-0.5 if scale is None else scale
     if impl == "sdpa":
-        return _sdpa(q, k, v, causal=causal, scale=scale)
+        return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
     if impl == "math":
-        return _math(q, k, v, causal=causal, scale=scale)
+        return _math(q, k, v, causal=causal, scale=scale, mask=mask)
     raise ValueError(f"attention: impl={impl!r}; expected one of {IMPLS}")
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
     t, s = q.shape[1], k.shape[1]
     # SDPA's is_causal aligns top-left; when T != S pass the bottom-right mask explicitly.
     # Branches, not `causal and t == s`: when dynamo makes sizes (or config ints, after a
@@ -71,7 +78,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sc
     if causal and t != s:
         mask, is_causal = causal_mask(t, s, device=q.device), False
     else:
-        mask, is_causal = None, causal
+        is_causal = causal
     gqa = False
     if q.shape[2] != k.shape[2]:  # a branch (a guard) for the same reason
         gqa = True
@@ -87,7 +94,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sc
     return out.transpose(1, 2)
 
 
-def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float) -> torch.Tensor:
+def _math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
     b, t, h, dh = q.shape
     dv = v.shape[3]
     s, kv = k.shape[1], k.shape[2]
@@ -95,7 +104,9 @@ def _math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sc
     qg = q.reshape(b, t, kv, h // kv, dh)
     scores = torch.einsum("btkgd,bskd->bkgts", qg, k).to(torch.float32) * scale
     if causal:
-        scores = scores.masked_fill(~causal_mask(t, s, device=q.device), float("-inf"))
+        mask = causal_mask(t, s, device=q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, dv)

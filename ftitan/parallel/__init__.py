@@ -1,0 +1,53 @@
+"""Parallelism as data: a mesh, a rules table, and placements for every leaf.
+
+- :class:`ParallelDims` / :func:`mesh`: the six degrees (``dp_replicate,
+  dp_shard, ep, cp, tp, pp``) and the named ``DeviceMesh``.
+- :class:`Rules` / :func:`default_rules` / :func:`resolve` / :func:`dump` /
+  :func:`check_sharded`: logical axes -> mesh axes -> a :class:`Sharding`
+  (DTensor placements) per leaf.
+- :func:`shard_params`: params as DTensors; :func:`shard_as` and the other
+  seams in :mod:`ftitan.parallel.activations` for activations (no-ops
+  without a layout).
+- :func:`make_train_step`: the parallel train step (FSDP / DDP gathers and
+  reductions, TP / SP / CP through the seams), with :func:`shard_batch`.
+
+See docs/parallelism.md.
+"""
+
+from ftitan.parallel import activations, collectives
+from ftitan.parallel.activations import cp_positions, shard_as
+from ftitan.parallel.dims import AXES, DATA_AXES, ParallelDims, mesh
+from ftitan.parallel.layout import Layout, current, use
+from ftitan.parallel.rules import Rules, Sharding, check_sharded, default_rules, dump, resolve, resolve_one
+from ftitan.parallel.shard import from_local, gathered, shard_params, to_local, unshard
+from ftitan.parallel.step import make_parallel_loss, make_train_step, shard_batch, sharding_of
+
+__all__ = [
+    "AXES",
+    "DATA_AXES",
+    "Layout",
+    "ParallelDims",
+    "Rules",
+    "Sharding",
+    "activations",
+    "check_sharded",
+    "collectives",
+    "cp_positions",
+    "current",
+    "default_rules",
+    "dump",
+    "from_local",
+    "gathered",
+    "make_parallel_loss",
+    "make_train_step",
+    "mesh",
+    "resolve",
+    "resolve_one",
+    "shard_as",
+    "shard_batch",
+    "shard_params",
+    "sharding_of",
+    "to_local",
+    "unshard",
+    "use",
+]

@@ -1,0 +1,93 @@
+"""``ParallelDims``: the six parallel degrees, checked against the world size, and the mesh they name.
+
+Mesh axes, outermost first: ``pp, dp_replicate, dp_shard, ep, cp, tp``. Every
+axis is always present (size 1 when unused), so placements have one entry per
+axis and code never asks whether an axis exists.
+
+- ``dp_replicate``: data parallel, params replicated (DDP-like).
+- ``dp_shard``: data parallel, params stored sharded, gathered for compute
+  (FSDP-like).
+- ``ep``: expert parallel. Routed experts are sharded over it; everything
+  else treats it as one more data-parallel axis (its ranks read different
+  batches), so ``ep`` multiplies the world size like the other degrees.
+- ``cp``: context parallel (the sequence is split across its ranks).
+- ``tp``: tensor parallel (heads, MLP width and vocab split across its ranks).
+- ``pp``: pipeline parallel (the layers split into stages).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["AXES", "DATA_AXES", "ParallelDims", "mesh"]
+
+AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+# axes whose ranks see different tokens: a replicated param's gradient is summed over them
+DATA_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "ep", "cp")
+
+
+def _positive(_inst: object, attribute: attrs.Attribute, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"parallel.{attribute.name}={value!r}: must be an int >= 1")
+
+
+@attrs.frozen(kw_only=True)
+class ParallelDims:
+    """Degree of each parallel dimension; their product is the world size."""
+
+    dp_replicate: int = attrs.field(default=1, validator=_positive)  # replicated data parallel (DDP)
+    dp_shard: int = attrs.field(default=1, validator=_positive)  # sharded data parallel (FSDP)
+    ep: int = attrs.field(default=1, validator=_positive)  # expert parallel (routed experts split)
+    cp: int = attrs.field(default=1, validator=_positive)  # context parallel (sequence split)
+    tp: int = attrs.field(default=1, validator=_positive)  # tensor parallel (heads / MLP / vocab split)
+    pp: int = attrs.field(default=1, validator=_positive)  # pipeline parallel (layers split into stages)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Mesh shape in ``AXES`` order."""
+        return tuple(getattr(self, a) for a in AXES)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def data_parallel(self) -> int:
+        """How many different batches one step reads: ``dp_replicate * dp_shard * ep``."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    def check(self, world_size: int) -> None:
+        """Raise naming the product when the degrees do not multiply to ``world_size``."""
+        if self.world_size != world_size:
+            product = " * ".join(f"{a} {getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "all 1"
+            raise ValueError(
+                f"parallel degrees {product} = {self.world_size}, but the world size is {world_size}: "
+                f"make the product of --parallel.{{dp_replicate,dp_shard,ep,cp,tp,pp}} equal {world_size} "
+                f"(or launch {self.world_size} processes: torchrun --nproc-per-node {self.world_size})"
+            )
+
+
+def mesh(dims: ParallelDims | None = None, /, *, device_type: str | None = None, **degrees: int) -> DeviceMesh:
+    """The ``DeviceMesh`` for ``dims`` (or keyword degrees, e.g. ``mesh(dp_shard=2, tp=2)``).
+
+    Needs an initialized process group whose size is the product of the
+    degrees. Axes are named as in ``AXES``; size-1 axes are kept.
+    """
+    if dims is None:
+        dims = ParallelDims(**degrees)
+    elif degrees:
+        raise TypeError("mesh: pass a ParallelDims or keyword degrees, not both")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "parallel.mesh: no process group; launch with torchrun and call "
+            "torch.distributed.init_process_group('gloo') (CPU) or 'nccl' (CUDA) first"
+        )
+    dims.check(dist.get_world_size())
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)

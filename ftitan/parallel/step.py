@@ -1,0 +1,158 @@
+"""The parallel train step: the same loss function, run on local shards, with a sharded optimizer.
+
+``make_train_step(loss_fn, optimizer, layout)`` returns ``step(state, batch)
+-> (state, metrics)`` like ``ftitan.train.make_train_step``; ``state.params``
+and ``state.opt_state`` hold DTensors (from :func:`shard_params`), ``batch``
+is this rank's part of the global batch (:func:`shard_batch`).
+
+Inside, per step:
+1. the loss runs on the local shards through the gathered params view
+   (FSDP gathers per layer; the seams in ``parallel.activations`` do TP / SP
+   / CP), and is weighted so that summing every rank's gradient gives the
+   gradient of the global mean: ``loss * n_local / n_global / tp``;
+2. gradients come from ``torch.autograd.grad`` over the local leaves (see
+   ``parallel.collectives`` for why not ``torch.func`` here); they are
+   already reduced, and are placed back as DTensors like the params;
+3. the optimizer runs on DTensors, so global norms (clipping) and Muon's
+   whole-matrix algebra see the full tensors, and every optimizer of
+   ``ftitan.optim`` works unchanged.
+
+``compile=True`` compiles step 1-2 (``fullgraph=True``); the optimizer runs
+eagerly on DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+
+from ftitan import optim
+from ftitan import tree as T
+from ftitan.parallel import collectives as C
+from ftitan.parallel.activations import split_sequence
+from ftitan.parallel.layout import Layout, use
+from ftitan.parallel.rules import Sharding
+from ftitan.parallel.shard import from_local, gathered, to_local
+from ftitan.train.state import TrainState
+from ftitan.train.step import value_and_grad
+
+__all__ = ["make_parallel_loss", "make_train_step", "shard_batch", "sharding_of"]
+
+
+def sharding_of(x: Any) -> Sharding:
+    """The :class:`Sharding` of a DTensor on a ``parallel.mesh`` (replicated for a plain tensor)."""
+    if not isinstance(x, DTensor):
+        return Sharding(tuple(() for _ in range(x.dim())))
+    dims: list[list[str]] = [[] for _ in range(x.dim())]
+    for axis, p in zip(x.device_mesh.mesh_dim_names or (), x.placements, strict=True):
+        if isinstance(p, Shard):
+            dims[p.dim].append(axis)
+    return Sharding(tuple(tuple(d) for d in dims))
+
+
+def shard_batch(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """This rank's part of a global batch: its rows (rule ``batch``), its head-tail sequence chunks (``cp``)."""
+    index, count = layout.data_rank()
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] % count:
+            raise ValueError(
+                f"shard_batch: batch size {x.shape[0]} does not split over {count} data-parallel ranks "
+                f"(dp_replicate * dp_shard * ep); use a batch size divisible by {count}"
+            )
+        x = x.chunk(count, dim=0)[index]
+        return split_sequence(x, layout, dim=1) if x.dim() > 1 else x
+
+    return T.map(one, batch)
+
+
+def _sum_over(x: torch.Tensor, layout: Layout, axes: tuple[str, ...]) -> torch.Tensor:
+    for a in axes:
+        x = C.all_reduce_value(x, layout.group(a))
+    return x
+
+
+def make_parallel_loss(
+    loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]], layout: Layout, shardings: Any
+) -> Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """``loss_fn(params, batch)`` on local shards: ``(weighted local loss, aux)``.
+
+    The weighted losses of all ranks sum to the global mean loss, and so do
+    their gradients (``aux["n_tokens"]`` gives each rank's weight).
+    """
+    data_axes = layout.data_axes()
+
+    def local_loss(local_params: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, aux = loss_fn(gathered(local_params, shardings, layout), batch)
+        n_local = aux["n_tokens"]
+        n_global = _sum_over(n_local, layout, data_axes).clamp(min=1)
+        # every tp rank computes the same loss: each takes 1/tp of it
+        return loss * (n_local / n_global) / layout.tp, aux
+
+    return local_loss
+
+
+def _merge_aux(aux: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """Metrics of the global batch: counts summed over data ranks, statistics averaged."""
+    axes = layout.data_axes()
+    n = 1
+    for a in axes:
+        n *= layout.sizes[a]
+    out = {}
+    for k, v in aux.items():
+        total = _sum_over(v.detach().to(torch.float64) if v.is_floating_point() else v.detach(), layout, axes)
+        out[k] = total if not v.is_floating_point() else (total / n).to(v.dtype)
+    return out
+
+
+def make_train_step(
+    loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    optimizer: optim.Transform,
+    layout: Layout,
+    *,
+    compile: bool = False,
+    update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
+    """A train step over ``layout``: ``step(state, local_batch) -> (state, metrics)`` (see the module doc).
+
+    ``metrics`` are those of the global batch (``loss`` is the global mean,
+    ``grad_norm`` the norm of the full gradient), the same on every rank.
+    """
+    cache: dict[Any, Callable[..., Any]] = {}
+
+    def grad_fn_for(params: Any) -> Callable[..., Any]:
+        shardings = T.map(sharding_of, params)
+        key = tuple(str(s) for s in T.leaves(shardings))
+        if key not in cache:
+            fn = value_and_grad(make_parallel_loss(loss_fn, layout, shardings), impl="autograd")
+            cache[key] = torch.compile(fn, fullgraph=True) if compile else fn
+        return cache[key]
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        grad_fn = grad_fn_for(state.params)
+        with use(layout):
+            grads_local, (loss, aux) = grad_fn(to_local(state.params), batch)
+        grads = from_local(grads_local, state.params)
+        with implicit_replication():
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optim.apply_updates(state.params, updates)
+            grad_norm = T.global_norm(grads)
+        axes = (*layout.data_axes(), "tp") if layout.tp > 1 else layout.data_axes()
+        metrics = {
+            "loss": _sum_over(loss.detach(), layout, axes),
+            "grad_norm": grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm,
+            **_merge_aux(aux, layout),
+        }
+        lr = optim.current_lr(opt_state)
+        if lr is not None:
+            metrics["lr"] = lr.full_tensor() if isinstance(lr, DTensor) else lr
+        if update_buffers is not None:
+            with implicit_replication():
+                params = update_buffers(params, metrics)
+        return TrainState(state.step + 1, params, opt_state, state.rng), metrics
+
+    return step

@@ -1,0 +1,131 @@
+"""Run under torchrun (gloo): every layout's loss and gradients vs a single-process run, as JSON lines.
+
+Launched by test_parity.py; prints one ``RESULT {...}`` line per check on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import attrs
+import torch
+import torch.distributed as dist
+
+import ftitan as ft
+from ftitan import parallel
+from ftitan.models import llama, qwen3
+
+torch.set_num_threads(1)
+
+
+def tiny_llama(**kw):
+    return attrs.evolve(
+        llama.Config.debug(), vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, **kw
+    )
+
+
+def tiny_qwen3(**kw):
+    base = qwen3.Config(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                        max_seq_len=64, tie_embeddings=True)  # fmt: skip
+    return attrs.evolve(base, **kw)
+
+
+MODELS = {"llama": (llama, tiny_llama), "qwen3": (qwen3, tiny_qwen3)}
+
+
+def batch_for(b: int, t: int, vocab: int) -> dict[str, torch.Tensor]:
+    tok = torch.randint(0, vocab, (b, t + 1), generator=torch.Generator().manual_seed(7))
+    return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+
+
+def max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b), strict=True))
+
+
+def grads_check(name: str, family: str, degrees: dict[str, int], rules=None, impl: str = "sdpa") -> dict:
+    module, make_cfg = MODELS[family]
+    model = module.model(make_cfg(attn_impl=impl))
+    params = model.init(ft.random.key(0))
+    batch = batch_for(4, 16, model.config.vocab_size)
+    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
+    ref_g, (ref_l, _) = ft.train.value_and_grad(loss_fn)(params, batch)
+
+    layout = parallel.Layout(parallel.mesh(**degrees), rules)
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    shardings = ft.tree.map(parallel.sharding_of, sharded)
+    local_loss = parallel.make_parallel_loss(loss_fn, layout, shardings)
+    with parallel.use(layout):
+        g, (l, _) = ft.train.value_and_grad(local_loss, impl="autograd")(
+            parallel.to_local(sharded), parallel.shard_batch(batch, layout)
+        )
+    total = l.detach().clone()
+    dist.all_reduce(total)
+    full = parallel.unshard(parallel.from_local(g, sharded))
+    return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": max_diff(full, ref_g),
+            "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
+
+
+def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5) -> dict:
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
+    opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adamw(lr=3e-3, weight_decay=0.1))
+    batches = [batch_for(4, 16, 256) for _ in range(n_steps)]
+    for i, b in enumerate(batches):  # distinct batches
+        g = torch.Generator().manual_seed(100 + i)
+        tok = torch.randint(0, 256, (4, 17), generator=g)
+        b.update(inputs=tok[:, :-1], targets=tok[:, 1:])
+    ref_step = ft.train.make_train_step(loss_fn, opt)
+    state = ft.train.init_state(params, opt)
+    ref_losses = []
+    for b in batches:
+        state, m = ref_step(state, b)
+        ref_losses.append(float(m["loss"]))
+
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    step = parallel.make_train_step(loss_fn, opt, layout)
+    pstate = ft.train.init_state(sharded, opt)
+    losses = []
+    for b in batches:
+        pstate, m = step(pstate, parallel.shard_batch(b, layout))
+        losses.append(float(m["loss"]))
+    final = parallel.unshard(pstate.params)
+    return {"check": name, "losses": losses, "ref_losses": ref_losses,
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+            "param_diff": max_diff(final, state.params)}  # fmt: skip
+
+
+CHECKS = {
+    "dp_shard4": lambda: grads_check("dp_shard4", "llama", {"dp_shard": 4}),
+    "dp_replicate2_dp_shard2": lambda: grads_check("dp_replicate2_dp_shard2", "llama", {"dp_replicate": 2, "dp_shard": 2}),
+    "dp_shard2_tp2": lambda: grads_check("dp_shard2_tp2", "llama", {"dp_shard": 2, "tp": 2}),
+    "dp_shard2_tp2_no_sp": lambda: grads_check(
+        "dp_shard2_tp2_no_sp", "llama", {"dp_shard": 2, "tp": 2}, parallel.default_rules().with_rule("norm_seq", ("cp",))
+    ),
+    "qwen3_dp_shard2_tp2": lambda: grads_check("qwen3_dp_shard2_tp2", "qwen3", {"dp_shard": 2, "tp": 2}),
+    "tp2_cp2": lambda: grads_check("tp2_cp2", "llama", {"tp": 2, "cp": 2}),
+    "tp2_cp2_math": lambda: grads_check("tp2_cp2_math", "qwen3", {"tp": 2, "cp": 2}, impl="math"),
+    "steps_dp_shard2_tp2": lambda: steps_check("steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
+}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    names = sys.argv[1:] or list(CHECKS)
+    for name in names:
+        try:
+            result = CHECKS[name]()
+        except Exception as e:  # report, keep going: one launch runs every layout
+            result = {"check": name, "error": f"{type(e).__name__}: {e}"}
+            if os.environ.get("FTITAN_RAISE"):
+                raise
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

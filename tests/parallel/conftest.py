@@ -1,0 +1,35 @@
+"""One torchrun launch (4 gloo ranks) runs every parity check; tests read its results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[str, dict]:
+    """Run ``script`` under torchrun; ``{check name: result}`` from its ``RESULT {...}`` lines."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(HERE / script), *args]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT ") :])
+            results[r["check"]] = r
+    if proc.returncode != 0 or not results:
+        raise AssertionError(f"{script} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return results
+
+
+@pytest.fixture(scope="session")
+def parity_results() -> dict[str, dict]:
+    return launch("_parity.py")
