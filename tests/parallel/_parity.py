@@ -1,6 +1,9 @@
 """Run under torchrun (gloo): every layout's loss and gradients vs a single-process run, as JSON lines.
 
-Launched by test_parity.py; prints one ``RESULT {...}`` line per check on rank 0.
+One launch runs every check (this file's and those of each ``_checks_*.py``);
+``conftest.parity_results`` launches it once per test session. Prints one
+``RESULT {...}`` line per check on rank 0. Run some checks by name:
+``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py dp_shard4``.
 """
 
 from __future__ import annotations
@@ -112,12 +115,27 @@ CHECKS = {
 }
 
 
+def all_checks() -> dict:
+    """This file's checks plus those of every ``_checks_*.py`` next to it (each defines ``CHECKS``)."""
+    import importlib.util
+    from pathlib import Path
+
+    checks = dict(CHECKS)
+    for path in sorted(Path(__file__).parent.glob("_checks_*.py")):
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        checks.update(mod.CHECKS)
+    return checks
+
+
 def main() -> None:
     dist.init_process_group("gloo")
-    names = sys.argv[1:] or list(CHECKS)
+    checks = all_checks()
+    names = sys.argv[1:] or list(checks)
     for name in names:
         try:
-            result = CHECKS[name]()
+            result = checks[name]()
         except Exception as e:  # report, keep going: one launch runs every layout
             result = {"check": name, "error": f"{type(e).__name__}: {e}"}
             if os.environ.get("FTITAN_RAISE"):
