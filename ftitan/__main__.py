@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,8 @@ def train_main(argv: list[str]) -> int:
         print(f"ftitan train: error: {e}", file=sys.stderr)
         return 2
     out = train(cfg, resume=resume)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return 0
     print(f"done: {cfg.steps} steps, final train loss {out['final_loss']:.4f}, held-out loss {out['eval_loss']:.4f}")
     print(f"run directory: {out['run_dir']} (loss.png, metrics.jsonl, tensorboard/, checkpoints/)")
     return 0

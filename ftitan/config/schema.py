@@ -13,7 +13,7 @@ import tyro
 
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
-__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "TrainConfig"]
+__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]
 
 # every trainable family's config; a recipe picks one and its fields become --model.* flags
 # (named for tyro, whose default names would collide: every family's class is called Config)
@@ -52,6 +52,26 @@ class DataConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ParallelConfig:
+    """Parallel degrees (their product is the number of processes: torchrun --nproc-per-node N)."""
+
+    dp_replicate: int = 1  # data parallel, params replicated (DDP)
+    dp_shard: int = 1  # data parallel, params sharded and gathered per layer (FSDP)
+    ep: int = 1  # expert parallel: routed experts split across ranks (also splits the batch)
+    cp: int = 1  # context parallel: the sequence split across ranks (head-tail chunks)
+    tp: int = 1  # tensor parallel: heads, MLP width and vocab split across ranks
+    pp: int = 1  # pipeline parallel: layers split into stages
+    sequence_parallel: bool = True  # under tp, norms run on 1/tp of the tokens (Megatron-SP)
+    pp_schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
+    pp_microbatches: int = 0  # micro-batches per step under pp (0: 2 * pp)
+    backend: str = "gloo"  # torch.distributed backend: "gloo" (CPU) or "nccl" (CUDA)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp * self.pp
+
+
+@attrs.frozen(kw_only=True)
 class TrainConfig:
     """One training run."""
 
@@ -59,6 +79,7 @@ class TrainConfig:
     model: ModelConfig  # model architecture (vocab_size must equal data.vocab_size)
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
+    parallel: ParallelConfig = ParallelConfig()
     steps: int = 400  # optimizer steps in total
     accum_steps: int = 1  # micro-batches per step (batch_size must divide by it)
     eval_every: int = 50  # steps between held-out evaluations (0: only at the end)

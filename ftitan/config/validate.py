@@ -8,6 +8,7 @@ re-worded to name ``--model.<field>``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import attrs
@@ -19,6 +20,7 @@ __all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")  # what ftitan.train.trainer.build_optimizer builds
 SCHEDULES: tuple[str, ...] = ("cosine", "wsd", "constant")
+PP_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 MIN_VOCAB = 257  # byte-level BPE: 256 byte tokens plus at least one merge / special token
 _CORPUS_SUFFIXES = (".txt", ".jsonl")
 
@@ -55,6 +57,35 @@ def _check_optim(cfg: TrainConfig) -> None:
             raise _fail(flag, beta, "an Adam beta must lie in [0, 1)")
     if not o.clip >= 0:
         raise _fail("--optim.clip", o.clip, "must be >= 0 (0 disables clipping)")
+
+
+def _check_parallel(cfg: TrainConfig) -> None:
+    p = cfg.parallel
+    for name in ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp"):
+        value = getattr(p, name)
+        if not isinstance(value, int) or value < 1:
+            raise _fail(f"--parallel.{name.replace('_', '-')}", value, "a parallel degree must be an int >= 1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if p.world_size != world:
+        product = " * ".join(f"{n} {getattr(p, n)}" for n in ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp")
+                             if getattr(p, n) > 1) or "all 1"  # fmt: skip
+        raise ValueError(
+            f"--parallel.*: degrees {product} = {p.world_size}, but {world} processes were launched; make the "
+            f"product equal {world} (e.g. --parallel.dp-shard {world}) or launch torchrun --nproc-per-node "
+            f"{p.world_size}"
+        )
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise _fail("--parallel.pp-schedule", p.pp_schedule, f"expected one of {PP_SCHEDULES}")
+    if p.pp_microbatches < 0:
+        raise _fail("--parallel.pp-microbatches", p.pp_microbatches, "must be >= 0 (0: 2 * pp)")
+    if p.backend not in ("gloo", "nccl"):
+        raise _fail("--parallel.backend", p.backend, "expected 'gloo' (CPU) or 'nccl' (CUDA)")
+    data_ranks = p.dp_replicate * p.dp_shard * p.ep
+    if cfg.data.batch_size % data_ranks:
+        raise _fail("--data.batch-size", cfg.data.batch_size,
+                    f"must be divisible by dp_replicate * dp_shard * ep = {data_ranks} (each reads its own rows)")
+    if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
+        raise _fail("--data.seq-len", cfg.data.seq_len, f"context parallel needs a multiple of 2 * cp = {2 * p.cp}")
 
 
 def _check_data(cfg: TrainConfig) -> None:
@@ -106,5 +137,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_loop(cfg)
     _check_optim(cfg)
     _check_data(cfg)
+    _check_parallel(cfg)
     _check_cross(cfg)
     return cfg

@@ -11,21 +11,23 @@ uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import torch
 
 from ftitan import checkpoint, data, optim, random
-from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
+from ftitan.config.schema import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from ftitan.models import registry
 from ftitan.train.losses import next_token_loss
 from ftitan.train.state import TrainState, init_state
-from ftitan.train.step import make_train_step
+from ftitan.train import runtime
 
 __all__ = ["build_optimizer", "config_from_dict", "config_to_dict", "evaluate", "load_data", "load_run", "run_dir_of", "train"]
 
@@ -80,14 +82,19 @@ def build_optimizer(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[st
 
 
 @torch.no_grad()
-def evaluate(loss_fn: Any, params: Any, ds: data.PackedDataset, *, batch_size: int, max_batches: int) -> float:
-    """Mean held-out cross-entropy over the first ``max_batches`` batches (in order, unshuffled)."""
+def evaluate(
+    batch_loss: Callable[[Any, Any], float], params: Any, ds: data.PackedDataset, *, batch_size: int, max_batches: int
+) -> float:
+    """Mean held-out cross-entropy over the first ``max_batches`` batches (in order, unshuffled).
+
+    ``batch_loss(params, batch) -> float``: e.g. ``Runtime.eval_loss`` bound to a loss function
+    (MoE: without the balancing term).
+    """
     losses = []
     for i, batch in enumerate(data.eval_batches(ds, batch_size)):
         if i == max_batches:
             break
-        loss, aux = loss_fn(params, batch)
-        losses.append(float(aux.get("ce_loss", loss)))  # MoE: without the balancing term
+        losses.append(batch_loss(params, batch))
     return sum(losses) / len(losses)
 
 
@@ -141,67 +148,83 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     """Run ``cfg``; returns the final metrics and where things were written."""
     from tqdm import tqdm
 
+    rt = runtime.setup(cfg.parallel)  # joins the torchrun world; checks the degrees first
     run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
     cfg_dict = config_to_dict(cfg)
-    (run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-    tok, train_ds, eval_ds = load_data(cfg, run_dir)
+    if rt.is_main:  # rank 0 writes files (and trains the tokenizer); the others read them
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+        tok, train_ds, eval_ds = load_data(cfg, run_dir)
+    rt.barrier()
+    if not rt.is_main:
+        tok, train_ds, eval_ds = load_data(cfg, run_dir)
 
     model = registry.model_for(cfg.model)
-    params = model.init(random.key(cfg.seed))
-    opt = build_optimizer(cfg.optim, cfg.steps, params, frozen=model.frozen)
+    full_params = model.init(random.key(cfg.seed))
+    opt = build_optimizer(cfg.optim, cfg.steps, full_params, frozen=model.frozen)
     loss_fn = next_token_loss(model)
-    step_fn = make_train_step(loss_fn, opt, accum_steps=cfg.accum_steps, update_buffers=model.update_buffers)
-    if cfg.compile:
-        step_fn = torch.compile(step_fn, fullgraph=True)
-    state: TrainState = init_state(params, opt, rng=random.key(cfg.seed))
+    step_fn = rt.make_step(loss_fn, opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
+                           update_buffers=model.update_buffers)  # fmt: skip
+    state: TrainState = init_state(rt.place(full_params, model.param_axes), opt, rng=random.key(cfg.seed))
     loader = data.init_loader_state(cfg.seed)
 
     ckpt_dir = run_dir / "checkpoints"
     start = 0
     if resume and (latest := checkpoint.latest(ckpt_dir)) is not None:
-        restored, manifest = checkpoint.load(latest, {"state": state, "loader": loader})
-        state, loader, start = restored["state"], restored["loader"], manifest.step
-    metrics = _Metrics(run_dir, keep_until=start)
+        # checkpoints hold full tensors: load them whole, then take this rank's blocks
+        like = {"state": init_state(full_params, opt), "loader": loader}
+        restored, manifest = checkpoint.load(latest, like)
+        state, loader, start = rt.from_full(restored["state"], state), restored["loader"], manifest.step
+    metrics = _Metrics(run_dir, keep_until=start) if rt.is_main else None
 
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, unit="step")
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (progress and rt.is_main),
+               unit="step")  # fmt: skip
     last: dict[str, Any] = {}
     # throughput over the steps since the last record; evaluation and checkpoint time excluded.
     # Only record steps read values back (float()), so an accelerator is not stalled every step.
     t_mark, done = time.perf_counter(), 0
     for i in bar:
         batch, loader = data.next_batch(train_ds, loader, cfg.data.batch_size)  # data
-        state, m = step_fn(state, batch)  # step
+        state, m = step_fn(state, rt.local_batch(batch))  # step
         step, done = i + 1, done + 1
         if step % cfg.log_every == 0 or step == cfg.steps:  # metrics
             now = time.perf_counter()
             last = {"step": step, **_record(m), "tokens_per_s": tokens_per_step * done / (now - t_mark)}
             t_mark, done = now, 0
-            metrics.log(last)
+            if metrics is not None:
+                metrics.log(last)
             load = {"load": f"{last['moe.max_load']:.2f}"} if "moe.max_load" in last else {}
             bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}",
                             **load)  # fmt: skip
         t_side = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            ev = evaluate(loss_fn, state.params, eval_ds, batch_size=cfg.data.batch_size, max_batches=cfg.eval_batches)
-            metrics.log({"step": step, "eval_loss": ev})
-            bar.write(f"step {step}: held-out loss {ev:.4f}")
+            ev = evaluate(functools.partial(rt.eval_loss, loss_fn), state.params, eval_ds,
+                          batch_size=cfg.data.batch_size, max_batches=cfg.eval_batches)  # fmt: skip
+            if metrics is not None:
+                metrics.log({"step": step, "eval_loss": ev})
+                bar.write(f"step {step}: held-out loss {ev:.4f}")
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:  # checkpoint
-            checkpoint.save(ckpt_dir, step, {"state": state, "loader": loader}, keep=cfg.keep,
-                            extra={"config": cfg_dict})
+            full_state = rt.to_full(state)  # collective under a layout
+            if rt.is_main:
+                checkpoint.save(ckpt_dir, step, {"state": full_state, "loader": loader}, keep=cfg.keep,
+                                extra={"config": cfg_dict})  # fmt: skip
+            rt.barrier()
         t_mark += time.perf_counter() - t_side  # side work is not training time
     bar.close()
-    metrics.close()
-    _plot(metrics.records, run_dir / "loss.png", f"{cfg.recipe}: {cfg.steps} steps")
-    evals = [r["eval_loss"] for r in metrics.records if "eval_loss" in r]
+    records = metrics.records if metrics is not None else []
+    if metrics is not None:
+        metrics.close()
+        _plot(records, run_dir / "loss.png", f"{cfg.recipe}: {cfg.steps} steps")
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    rt.close()
     return {
         "run_dir": str(run_dir),
         "final_loss": last.get("loss", math.nan),
         "eval_loss": evals[-1] if evals else math.nan,
-        "records": metrics.records,
+        "records": records,
         "model": model,
-        "params": state.params,
+        "params": state.params,  # DTensors under a parallel layout
         "tokenizer": tok,
     }
 
@@ -226,7 +249,7 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
 def config_from_dict(d: dict[str, Any]) -> TrainConfig:
     """The ``TrainConfig`` a run wrote to its ``config.json``."""
     return TrainConfig(**{**d, "model": registry.config_from_dict(d["model"]), "optim": OptimConfig(**d["optim"]),
-                          "data": DataConfig(**d["data"])})
+                          "data": DataConfig(**d["data"]), "parallel": ParallelConfig(**d.get("parallel", {}))})
 
 
 def load_run(run_dir: str | Path) -> tuple[TrainConfig, Any, Any, data.Tokenizer, int]:

@@ -70,7 +70,7 @@ def grads_check(name: str, family: str, degrees: dict[str, int], rules=None, imp
             "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
 
 
-def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5) -> dict:
+def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5, compile: bool | str = False) -> dict:
     model = llama.model(tiny_llama())
     params = model.init(ft.random.key(0))
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
@@ -89,7 +89,7 @@ def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5) -> dict:
 
     layout = parallel.Layout(parallel.mesh(**degrees))
     sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
-    step = parallel.make_train_step(loss_fn, opt, layout)
+    step = parallel.make_train_step(loss_fn, opt, layout, compile=compile)
     pstate = ft.train.init_state(sharded, opt)
     losses = []
     for b in batches:
@@ -112,6 +112,9 @@ CHECKS = {
     "tp2_cp2": lambda: grads_check("tp2_cp2", "llama", {"tp": 2, "cp": 2}),
     "tp2_cp2_math": lambda: grads_check("tp2_cp2_math", "qwen3", {"tp": 2, "cp": 2}, impl="math"),
     "steps_dp_shard2_tp2": lambda: steps_check("steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
+    "compiled_steps_dp_shard2_tp2": lambda: steps_check(
+        "compiled_steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}, n_steps=3, compile="aot_eager"
+    ),
 }
 
 

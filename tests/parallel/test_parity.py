@@ -37,3 +37,11 @@ def test_five_steps_dp_shard2_tp2_match_single_process(parity_results):
     assert len(set(r["losses"])) > 1  # the model trains: losses move
     # AdamW's normalized update turns ~1e-8 gradient differences into ~1e-5 on a few weights
     assert r["param_diff"] <= 1e-4
+
+
+def test_compiled_parallel_step_matches_single_process(parity_results):
+    # the local forward/backward under torch.compile(fullgraph=True, backend="aot_eager")
+    r = parity_results["compiled_steps_dp_shard2_tp2"]
+    assert "error" not in r, r["error"]
+    assert r["loss_diff"] <= 1e-5, (r["losses"], r["ref_losses"])
+    assert r["param_diff"] <= 1e-4
