@@ -3,6 +3,7 @@
     ftitan train --recipe NAME [--resume] [--model.n-layers 4 --optim.lr 1e-3 ...]
     ftitan generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S --n N]
     ftitan bench step [--out FILE ...]
+    ftitan bench parallel [--nproc 4 --layouts dp_shard=4 dp_shard=2,tp=2 ... --out FILE]
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import tyro
 USAGE = """usage:
   ftitan train --recipe NAME [--resume] [dotted overrides, e.g. --optim.lr 1e-3]   (ftitan train --help)
   ftitan generate --run DIR --prompt TEXT [options]                                (ftitan generate --help)
-  ftitan bench step [options]                                                      (ftitan bench step --help)"""
+  ftitan bench step [options]                                                      (ftitan bench step --help)
+  ftitan bench parallel [options]                                                  (ftitan bench parallel --help)"""
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from ftitan.bench.step import main as bench_step
 
         return bench_step(argv[2:])
+    if argv[:2] == ["bench", "parallel"]:
+        from ftitan.bench.parallel import main as bench_parallel
+
+        return bench_parallel(argv[2:])
     print(USAGE, file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

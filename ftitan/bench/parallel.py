@@ -1,0 +1,234 @@
+"""``ftitan bench parallel``: step time and bytes sent per step of each parallel layout, on N ranks.
+
+The parent process measures the single-process step (the baseline peer),
+then launches ``torchrun --nproc-per-node N`` once; the ranks run every
+layout in turn (same model, same global batch, AdamW), timing steps after
+warm-up with a barrier around each, and counting the bytes each rank sends
+in one more (eager) step through ``ftitan.parallel.collectives`` (the
+step's gathers, reductions, all-to-alls and sends; the optimizer's DTensor
+norm reductions, a few scalars, are not counted). Layouts with ``ep`` use a
+Qwen3-MoE model of the same size, compared with its own single-process run.
+
+Prints one JSON object (DESIGN.md, "Benchmarks"): per layout the median
+step time, tokens/s, bytes sent per rank per step (by collective), and the
+ratio of its tokens/s to the single process. There is no speed goal: on a
+2-core CPU, N ranks share the cores, so the figures show communication
+volume and overhead, not scaling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import tyro
+
+__all__ = ["Options", "main", "parse_layout", "run"]
+
+DEFAULT_LAYOUTS = (
+    "dp_replicate=4",
+    "dp_shard=4",
+    "dp_shard=2,tp=2",
+    "tp=4",
+    "tp=2,cp=2",
+    "ep=2,dp_shard=2",
+)
+
+
+@attrs.frozen(kw_only=True)
+class Options:
+    """Options of ``ftitan bench parallel``."""
+
+    nproc: int = 4
+    """Ranks (processes) to launch."""
+    layouts: tuple[str, ...] = DEFAULT_LAYOUTS
+    """Layouts as ``axis=degree`` lists whose product is ``nproc`` (axes: dp_replicate, dp_shard, ep, cp, tp, pp)."""
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 2048
+    seq_len: int = 128
+    batch_size: int = 8
+    warmup: int = 1
+    rounds: int = 3
+    quick: bool = False
+    """A tiny model and one timed round: checks the benchmark runs, measures nothing."""
+    out: Path | None = None
+    """Also write the JSON here."""
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """``"dp_shard=2,tp=2"`` -> ``{"dp_shard": 2, "tp": 2}``."""
+    from ftitan.parallel import AXES
+
+    out = {}
+    for part in filter(None, text.replace(" ", "").split(",")):
+        axis, _, degree = part.partition("=")
+        if axis not in AXES or not degree.isdigit():
+            raise ValueError(f"bench parallel: layout {text!r}: {part!r} is not axis=degree with axis in {AXES}")
+        out[axis] = int(degree)
+    return out
+
+
+def _config(opts: Options) -> dict[str, Any]:
+    if opts.quick:
+        return {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "vocab_size": 256, "seq_len": 16,
+                "batch_size": 8}  # fmt: skip
+    return {k: getattr(opts, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "seq_len",
+                                          "batch_size")}  # fmt: skip
+
+
+def _model(cfg: dict[str, Any], *, moe: bool) -> Any:
+    from ftitan.models import llama, qwen3_moe
+
+    common = dict(vocab_size=cfg["vocab_size"], dim=cfg["dim"], n_layers=cfg["n_layers"], n_heads=cfg["n_heads"],
+                  n_kv_heads=cfg["n_kv_heads"], max_seq_len=max(cfg["seq_len"], 64))  # fmt: skip
+    if moe:
+        return qwen3_moe.model(qwen3_moe.Config(**common, head_dim=cfg["dim"] // cfg["n_heads"], ffn_dim=2 * cfg["dim"],
+                                                n_experts=8, top_k=2, expert_dim=cfg["dim"]))  # fmt: skip
+    return llama.model(llama.Config(**common, ffn_dim=3 * cfg["dim"]))
+
+
+def _batch(cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, cfg["vocab_size"], (cfg["batch_size"], cfg["seq_len"] + 1), generator=g)
+    return {"inputs": tok[:, :-1], "targets": tok[:, 1:]}
+
+
+def _optimizer() -> Any:
+    import ftitan as ft
+
+    return ft.optim.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adamw(lr=1e-3, weight_decay=0.1))
+
+
+def _single(cfg: dict[str, Any], *, moe: bool, warmup: int, rounds: int) -> dict[str, Any]:
+    import ftitan as ft
+
+    model, opt, batch = _model(cfg, moe=moe), _optimizer(), _batch(cfg)
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, update_buffers=model.update_buffers)
+    state = ft.train.init_state(model.init(ft.random.key(0)), opt)
+    times = []
+    for i in range(warmup + rounds):
+        t0 = time.perf_counter()
+        state, m = step(state, batch)
+        float(m["loss"])
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return _result(cfg, times, {})
+
+
+def _result(cfg: dict[str, Any], times: list[float], sent: dict[str, int]) -> dict[str, Any]:
+    median = statistics.median(times)
+    return {"median_s": median, "times_s": times, "tokens_per_s": cfg["batch_size"] * cfg["seq_len"] / median,
+            "bytes_sent_per_rank": sum(sent.values()), "bytes_by_collective": dict(sent)}  # fmt: skip
+
+
+def _worker_layout(cfg: dict[str, Any], degrees: dict[str, int], warmup: int, rounds: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import ftitan as ft
+    from ftitan import parallel
+
+    model, opt, batch = _model(cfg, moe=degrees.get("ep", 1) > 1), _optimizer(), _batch(cfg)
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    params = parallel.shard_params(model.init(ft.random.key(0)), model.param_axes, layout.rules, layout)
+    step = parallel.make_train_step(ft.train.next_token_loss(model), opt, layout, update_buffers=model.update_buffers)
+    state, local = ft.train.init_state(params, opt), parallel.shard_batch(batch, layout)
+    times = []
+    for i in range(warmup + rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        state, m = step(state, local)
+        float(m["loss"])
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    with parallel.collectives.count_bytes() as sent:
+        state, _ = step(state, local)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dict(sent))
+    result = _result(cfg, times, dict(sent))
+    result["bytes_sent_max_rank"] = max(sum(s.values()) for s in everyone)
+    return result
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    for text in spec["layouts"]:
+        try:
+            result = _worker_layout(spec["config"], parse_layout(text), spec["warmup"], spec["rounds"])
+        except Exception as e:  # one layout failing must not hide the others
+            result = {"error": f"{type(e).__name__}: {e}"}
+        if dist.get_rank() == 0:
+            print("LAYOUT " + json.dumps({"layout": text, **result}), flush=True)
+    dist.destroy_process_group()
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Run the benchmark; the JSON-ready result."""
+    from ftitan.bench import timing
+
+    cfg = _config(opts)
+    warmup, rounds = (1, 1) if opts.quick else (opts.warmup, opts.rounds)
+    for text in opts.layouts:
+        n = 1
+        for d in parse_layout(text).values():
+            n *= d
+        if n != opts.nproc:
+            raise ValueError(f"bench parallel: layout {text!r} has {n} ranks, not --nproc {opts.nproc}")
+    torch.set_num_threads(min(opts.nproc, os.cpu_count() or 1))
+    results: dict[str, Any] = {"single": _single(cfg, moe=False, warmup=warmup, rounds=rounds)}
+    if any(parse_layout(t).get("ep", 1) > 1 for t in opts.layouts):
+        results["single-moe"] = _single(cfg, moe=True, warmup=warmup, rounds=rounds)
+    spec = {"layouts": list(opts.layouts), "config": cfg, "warmup": warmup, "rounds": rounds}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTITAN_BENCH_SPEC": json.dumps(spec)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.nproc}",
+           "-m", "ftitan.bench.parallel"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("LAYOUT "):
+            r = json.loads(line[len("LAYOUT ") :])
+            results[r.pop("layout")] = r
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench parallel: torchrun failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    ratios = {}
+    for text in opts.layouts:
+        base = "single-moe" if parse_layout(text).get("ep", 1) > 1 else "single"
+        if "tokens_per_s" in results.get(text, {}):
+            ratios[f"{text}/{base}"] = results[text]["tokens_per_s"] / results[base]["tokens_per_s"]
+    return {"bench": "parallel", "config": {**cfg, "nproc": opts.nproc, "quick": opts.quick, "optimizer": "adamw"},
+            "machine": timing.machine_info(), "results": results, "ratios": ratios, "goals": {},
+            "met": all("error" not in results.get(t, {"error": "missing"}) for t in opts.layouts)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = tyro.cli(Options, args=argv, prog="ftitan bench parallel", description=__doc__.split("\n\n")[0])
+    result = run(opts)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if opts.out is not None:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = opts.out.with_name(opts.out.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(opts.out)
+    return 0 if result["met"] else 1
+
+
+if __name__ == "__main__":
+    spec_text = os.environ.get("FTITAN_BENCH_SPEC")
+    if spec_text is not None and "RANK" in os.environ:
+        _worker(json.loads(spec_text))
+    else:
+        sys.exit(main())
