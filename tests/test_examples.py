@@ -51,3 +51,16 @@ def test_moe_example_trains_and_reports_expert_load(family):
         counts = [int(x) for x in load.split(",")]
         assert sum(counts) == 8 * 128 * 2  # every token of the batch went to top_k = 2 experts
         assert float(max_load) >= 1.0
+
+
+def test_parallel_example_trains_on_four_ranks():
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+         str(ROOT / "examples" / "parallel_train.py"), "--tp", "2", "--cp", "2", "--steps", "21"],
+        capture_output=True, text=True, check=True, timeout=600, env=env,
+    ).stdout  # fmt: skip
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 3, out
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
+    assert "Layout(cp=2, tp=2)" in out and "layers.0.attn.wq     (tp, -)" in out, out
