@@ -1,7 +1,8 @@
 """Run under torchrun (gloo): every layout's loss and gradients vs a single-process run, as JSON lines.
 
-One launch runs every check (this file's and those of each ``_checks_*.py``);
-``conftest.parity_results`` launches it once per test session. Prints one
+One launch runs every check (this file's and those of each ``_checks_*.py``):
+``CHECKS`` on 4 ranks, ``CHECKS_8`` when launched on 8; ``conftest.parity_results``
+and ``parity_results_8`` launch each once per test session. Prints one
 ``RESULT {...}`` line per check on rank 0. Run some checks by name:
 ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py dp_shard4``.
 """
@@ -47,11 +48,13 @@ def max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b), strict=True))
 
 
-def grads_check(name: str, family: str, degrees: dict[str, int], rules=None, impl: str = "sdpa") -> dict:
+def grads_check(
+    name: str, family: str, degrees: dict[str, int], rules=None, impl: str = "sdpa", batch: int = 4
+) -> dict:
     module, make_cfg = MODELS[family]
     model = module.model(make_cfg(attn_impl=impl))
     params = model.init(ft.random.key(0))
-    batch = batch_for(4, 16, model.config.vocab_size)
+    batch = batch_for(batch, 16, model.config.vocab_size)
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
     ref_g, (ref_l, _) = ft.train.value_and_grad(loss_fn)(params, batch)
 
@@ -101,7 +104,26 @@ def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5, compile: b
             "param_diff": max_diff(final, state.params)}  # fmt: skip
 
 
+def shard_as_check(name: str) -> dict:
+    """``shard_as`` under torch.func.grad (eager) and torch.compile: this rank's rows; gradient all-gathered."""
+    layout = parallel.Layout(parallel.mesh(dp_shard=4))
+    x = torch.arange(32.0).reshape(8, 4)
+    index, _ = layout.data_rank()
+
+    def f(x):
+        return (parallel.shard_as(x, ("batch", None)) ** 2).sum()
+
+    with parallel.use(layout):
+        local = parallel.shard_as(x, ("batch", None))
+        g = torch.func.grad(f)(x)
+        compiled = torch.compile(lambda x: parallel.shard_as(x, ("batch", None)) * 2, backend="aot_eager", fullgraph=True)(x)
+    return {"check": name, "block_ok": bool(torch.equal(local, x[2 * index : 2 * index + 2])),
+            "grad_ok": bool(torch.equal(g, 2 * x)),  # every rank's rows' gradient, gathered
+            "compiled_ok": bool(torch.equal(compiled, 2 * local))}  # fmt: skip
+
+
 CHECKS = {
+    "shard_as_func_compile": lambda: shard_as_check("shard_as_func_compile"),
     "dp_shard4": lambda: grads_check("dp_shard4", "llama", {"dp_shard": 4}),
     "dp_replicate2_dp_shard2": lambda: grads_check("dp_replicate2_dp_shard2", "llama", {"dp_replicate": 2, "dp_shard": 2}),
     "dp_shard2_tp2": lambda: grads_check("dp_shard2_tp2", "llama", {"dp_shard": 2, "tp": 2}),
@@ -117,18 +139,28 @@ CHECKS = {
     ),
 }
 
+# layouts on 8 ranks (run by a launch of 8 processes; the 4-rank launch skips them)
+CHECKS_8 = {
+    "dp_shard2_tp2_cp2": lambda: grads_check("dp_shard2_tp2_cp2", "llama", {"dp_shard": 2, "tp": 2, "cp": 2}),
+    "dp_replicate2_dp_shard2_tp2": lambda: grads_check(
+        "dp_replicate2_dp_shard2_tp2", "qwen3", {"dp_replicate": 2, "dp_shard": 2, "tp": 2}
+    ),
+    "dp_shard8": lambda: grads_check("dp_shard8", "llama", {"dp_shard": 8}, batch=8),
+}
+
 
 def all_checks() -> dict:
     """This file's checks plus those of every ``_checks_*.py`` next to it (each defines ``CHECKS``)."""
     import importlib.util
     from pathlib import Path
 
-    checks = dict(CHECKS)
+    eight = dist.is_initialized() and dist.get_world_size() == 8
+    checks = dict(CHECKS_8 if eight else CHECKS)
     for path in sorted(Path(__file__).parent.glob("_checks_*.py")):
         spec = importlib.util.spec_from_file_location(path.stem, path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        checks.update(mod.CHECKS)
+        checks.update(getattr(mod, "CHECKS_8", {}) if eight else mod.CHECKS)
     return checks
 
 

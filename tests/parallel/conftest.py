@@ -33,3 +33,8 @@ def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[
 @pytest.fixture(scope="session")
 def parity_results() -> dict[str, dict]:
     return launch("_parity.py")
+
+
+@pytest.fixture(scope="session")
+def parity_results_8() -> dict[str, dict]:
+    return launch("_parity.py", nproc=8)

@@ -45,3 +45,17 @@ def test_compiled_parallel_step_matches_single_process(parity_results):
     assert "error" not in r, r["error"]
     assert r["loss_diff"] <= 1e-5, (r["losses"], r["ref_losses"])
     assert r["param_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["dp_shard2_tp2_cp2", "dp_replicate2_dp_shard2_tp2", "dp_shard8"])
+def test_eight_rank_layouts_match_single_process(parity_results_8, name):
+    r = parity_results_8[name]
+    assert "error" not in r, r["error"]
+    assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
+    assert r["grad_scale"] > 1e-3
+
+
+def test_shard_as_under_torch_func_and_compile(parity_results):
+    r = parity_results["shard_as_func_compile"]
+    assert "error" not in r, r["error"]
+    assert r["block_ok"] and r["grad_ok"] and r["compiled_ok"]
