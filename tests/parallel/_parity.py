@@ -122,7 +122,29 @@ def shard_as_check(name: str) -> dict:
             "compiled_ok": bool(torch.equal(compiled, 2 * local))}  # fmt: skip
 
 
+def reshard_check(name: str) -> dict:
+    """A train state saved from one layout (full tensors) and placed on another: same values, new placements."""
+    from ftitan.config.schema import ParallelConfig
+    from ftitan.train.runtime import Runtime
+
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    opt = ft.optim.adamw(lr=1e-3)
+    a = Runtime(parallel.Layout(parallel.mesh(dp_shard=2, tp=2)), ParallelConfig(dp_shard=2, tp=2))
+    b = Runtime(parallel.Layout(parallel.mesh(dp_shard=4)), ParallelConfig(dp_shard=4))
+    state_a = ft.train.init_state(a.place(params, model.param_axes), opt)
+    step = parallel.make_train_step(ft.train.next_token_loss(model), opt, a.layout)
+    state_a, _ = step(state_a, a.local_batch(batch_for(4, 16, 256)))  # nonzero optimizer moments
+    full = a.to_full(state_a)
+    state_b = b.from_full(full, ft.train.init_state(b.place(params, model.param_axes), opt))
+    again = b.to_full(state_b)
+    wq = state_b.params["layers"]["0"]["attn"]["wq"]
+    return {"check": name, "diff": max_diff(again, full), "wq_local": list(wq.to_local().shape),
+            "mu_nonzero": float(ft.tree.global_norm(full.opt_state)) > 0}  # fmt: skip
+
+
 CHECKS = {
+    "reshard_dp2_tp2_to_dp4": lambda: reshard_check("reshard_dp2_tp2_to_dp4"),
     "shard_as_func_compile": lambda: shard_as_check("shard_as_func_compile"),
     "dp_shard4": lambda: grads_check("dp_shard4", "llama", {"dp_shard": 4}),
     "dp_replicate2_dp_shard2": lambda: grads_check("dp_replicate2_dp_shard2", "llama", {"dp_replicate": 2, "dp_shard": 2}),

@@ -59,3 +59,11 @@ def test_shard_as_under_torch_func_and_compile(parity_results):
     r = parity_results["shard_as_func_compile"]
     assert "error" not in r, r["error"]
     assert r["block_ok"] and r["grad_ok"] and r["compiled_ok"]
+
+
+def test_state_from_one_layout_loads_under_another(parity_results):
+    # what `ftitan train --resume` does when the degrees changed: checkpoints hold full tensors
+    r = parity_results["reshard_dp2_tp2_to_dp4"]
+    assert "error" not in r, r["error"]
+    assert r["diff"] == 0.0 and r["mu_nonzero"]
+    assert r["wq_local"] == [64, 16]  # (heads whole, embed / 4) on dp_shard 4
