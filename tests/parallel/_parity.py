@@ -73,11 +73,17 @@ def grads_check(
             "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
 
 
-def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5, compile: bool | str = False) -> dict:
+def steps_check(
+    name: str, degrees: dict[str, int], n_steps: int = 5, compile: bool | str = False, muon: bool = False
+) -> dict:
     model = llama.model(tiny_llama())
     params = model.init(ft.random.key(0))
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
-    opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), ft.optim.adamw(lr=3e-3, weight_decay=0.1))
+    if muon:  # Newton-Schulz in fp32 so that the comparison is not bf16 rounding
+        inner = ft.optim.muon_with_adamw(params, lr=3e-3, ns_dtype=torch.float32)
+    else:
+        inner = ft.optim.adamw(lr=3e-3, weight_decay=0.1)
+    opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), inner)
     batches = [batch_for(4, 16, 256) for _ in range(n_steps)]
     for i, b in enumerate(batches):  # distinct batches
         g = torch.Generator().manual_seed(100 + i)
@@ -156,6 +162,7 @@ CHECKS = {
     "tp2_cp2": lambda: grads_check("tp2_cp2", "llama", {"tp": 2, "cp": 2}),
     "tp2_cp2_math": lambda: grads_check("tp2_cp2_math", "qwen3", {"tp": 2, "cp": 2}, impl="math"),
     "steps_dp_shard2_tp2": lambda: steps_check("steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
+    "muon_steps_dp_shard2_tp2": lambda: steps_check("muon_steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}, 3, muon=True),
     "compiled_steps_dp_shard2_tp2": lambda: steps_check(
         "compiled_steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}, n_steps=3, compile="aot_eager"
     ),

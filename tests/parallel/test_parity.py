@@ -67,3 +67,11 @@ def test_state_from_one_layout_loads_under_another(parity_results):
     assert "error" not in r, r["error"]
     assert r["diff"] == 0.0 and r["mu_nonzero"]
     assert r["wq_local"] == [64, 16]  # (heads whole, embed / 4) on dp_shard 4
+
+
+def test_muon_on_sharded_params_matches_single_process(parity_results):
+    # Newton-Schulz on DTensors sees whole matrices (DTensor gathers them); fp32 iteration here
+    r = parity_results["muon_steps_dp_shard2_tp2"]
+    assert "error" not in r, r["error"]
+    assert r["loss_diff"] <= 1e-5, (r["losses"], r["ref_losses"])
+    assert r["param_diff"] <= 1e-4
