@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
+from ftitan.config.schema import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from ftitan.config.transforms import compose, with_layers, with_vocab
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
@@ -36,6 +36,7 @@ __all__ = [
     "llama3_1b",
     "llama3_8b",
     "llama3_debug",
+    "llama3_debug_fsdp_tp",
     "llama3_debug_muon",
     "qwen3_debug",
     "qwen3_moe_debug",
@@ -98,6 +99,17 @@ def llama3_debug_muon() -> TrainConfig:
     """``llama3-debug`` with Muon on hidden matrices (AdamW on the rest)."""
     base = llama3_debug()
     return attrs.evolve(base, optim=attrs.evolve(base.optim, name="muon"))
+
+
+@recipe("llama3-debug-fsdp-tp")
+def llama3_debug_fsdp_tp() -> TrainConfig:
+    """``llama3-debug`` on 4 processes: FSDP 2 x TP 2 with sequence parallelism.
+
+    ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe llama3-debug-fsdp-tp``
+    """
+    base = llama3_debug()
+    # eager: 4 inductor compiles sharing 2 cores take longer than this run
+    return attrs.evolve(base, parallel=ParallelConfig(dp_shard=2, tp=2), compile=False)
 
 
 def _published(model: llama.Config, *, seq_len: int, batch_size: int) -> TrainConfig:

@@ -7,10 +7,11 @@ from ftitan.models import llama
 
 
 @pytest.mark.parametrize("name", sorted(config.RECIPES))
-def test_every_recipe_builds_and_validates(name):
+def test_every_recipe_builds_and_validates(name, monkeypatch):
     cfg = config.get_recipe(name)
     assert isinstance(cfg, config.TrainConfig)
     assert cfg.recipe == name
+    monkeypatch.setenv("WORLD_SIZE", str(cfg.parallel.world_size))  # as torchrun --nproc-per-node N sets it
     assert config.validate(cfg) is cfg
     assert cfg.model.vocab_size == cfg.data.vocab_size
 
