@@ -87,7 +87,8 @@ def gather_leaf(x: torch.Tensor, s: Sharding, layout: Layout) -> torch.Tensor:
     """
     stored = set(s.mesh_axes())
     for a in layout.data_axes():
-        if a not in stored and not (a == "ep" and "ep" in stored):
+        # a leaf split over ep (routed experts) gets its whole gradient back through EP's all-to-all
+        if a not in stored:
             x = C.grad_all_reduce(x, layout.group(a))
     for a in reversed([a for a in s.mesh_axes() if a in GATHERED_AXES]):  # innermost split first
         x = C.all_gather(x, layout.group(a), dim=s.dim_of(a))
