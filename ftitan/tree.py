@@ -15,10 +15,11 @@ with optree (under :data:`NAMESPACE`) *and* with ``torch.utils._pytree``:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import re
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -37,6 +38,7 @@ __all__ = [
     "flatten",
     "flatten_with_paths",
     "global_norm",
+    "norm_across",
     "is_tensor",
     "leaves",
     "map",
@@ -201,13 +203,34 @@ def nbytes(tree: Tree) -> int:
 
 
 def global_norm(tree: Tree) -> torch.Tensor:
-    """L2 norm over all tensor leaves, accumulated in float32 (float64 stays float64)."""
+    """L2 norm over all tensor leaves, accumulated in float32 (float64 stays float64).
+
+    Inside :func:`norm_across`, the sum of squares is first combined with the
+    other processes' (a tree split across pipeline stages has one norm).
+    """
     xs = [x for x in leaves(tree) if is_tensor(x)]
     if not xs:
         return torch.zeros(())
     acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
     sq = [torch.sum(torch.square(x.to(acc))) for x in xs]
-    return torch.sqrt(torch.stack(sq).sum())
+    total = torch.stack(sq).sum()
+    for combine_ in _NORM_ACROSS:
+        total = combine_(total)
+    return torch.sqrt(total)
+
+
+_NORM_ACROSS: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def norm_across(combine_squares: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Make :func:`global_norm` (and so ``optim.clip_by_global_norm``) apply ``combine_squares`` to its
+    sum of squares inside the block: e.g. an all-reduce over pipeline stages, each holding part of the tree."""
+    _NORM_ACROSS.append(combine_squares)
+    try:
+        yield
+    finally:
+        _NORM_ACROSS.pop()
 
 
 def zeros_like(tree: Tree, *, dtype: torch.dtype | None = None) -> Tree:

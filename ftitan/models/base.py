@@ -14,7 +14,7 @@ import torch
 
 from ftitan import tree
 
-__all__ = ["ApplyAuxFn", "ApplyFn", "InitFn", "Model", "drop_aux"]
+__all__ = ["ApplyAuxFn", "ApplyFn", "InitFn", "Model", "StageFn", "drop_aux"]
 
 
 class InitFn(Protocol):
@@ -55,6 +55,30 @@ class ApplyAuxFn(Protocol):
     ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]: ...
 
 
+class StageFn(Protocol):
+    """One pipeline stage: the embedding (``first``), the blocks ``layers``, the final norm (``last``).
+
+    ``x`` is the tokens ``(B, T)`` on the first stage and the previous
+    stage's output ``(B, T, D)`` otherwise; ``params`` needs only the
+    stage's subtree (``layers.{i}`` for ``i`` in ``layers``, ``embed`` when
+    ``first``, ``norm`` when ``last``). The last stage returns what
+    ``apply(..., logits=False)`` does (the final-normed hidden states, for a
+    chunked cross-entropy against ``head(params)``); stages over consecutive
+    layer ranges compose to it exactly.
+    """
+
+    def __call__(
+        self,
+        params: tree.Tree,
+        x: torch.Tensor,  # (B, T) int if first, else (B, T, D)
+        *,
+        layers: range,
+        first: bool,
+        last: bool,
+        positions: torch.Tensor | None = ...,  # (T,) | (B, T) int; default arange(T)
+    ) -> torch.Tensor: ...  # (B, T, D)
+
+
 def drop_aux(apply_with_aux: ApplyAuxFn) -> ApplyFn:
     """The plain ``apply`` of an ``apply_with_aux``: ``(out, cache)`` without the aux dict."""
 
@@ -91,6 +115,9 @@ class Model(NamedTuple):
     - ``update_buffers(params, metrics) -> params`` (or ``None``): the pure
       update of the frozen leaves after each optimizer step, from the
       step's metrics (e.g. the aux-loss-free balancing bias from expert load).
+    - ``stage`` (or ``None``): the model split into pipeline stages, see
+      :class:`StageFn`; families without it cannot run with ``pp > 1``
+      (``ftitan.parallel.pipeline``).
     """
 
     config: Any
@@ -102,3 +129,4 @@ class Model(NamedTuple):
     apply_with_aux: ApplyAuxFn | None = None
     frozen: tuple[str, ...] = ()
     update_buffers: Callable[[tree.Tree, dict[str, torch.Tensor]], tree.Tree] | None = None
+    stage: StageFn | None = None

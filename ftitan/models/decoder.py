@@ -18,6 +18,7 @@ from ftitan import nn
 from ftitan.models import hf
 from ftitan.nn.attention import AttentionImpl
 from ftitan.parallel import activations as par
+from ftitan.parallel.layout import current
 
 __all__ = [
     "AttentionConfig",
@@ -27,6 +28,8 @@ __all__ = [
     "norm",
     "attention_params",
     "dense_forward",
+    "dense_layers",
+    "dense_stage",
     "check_positive_int",
     "HF_ATTENTION",
     "HF_MLP",
@@ -181,6 +184,67 @@ def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
     return maps
 
 
+def _hidden_positions(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:  # (T,) | (B, T)
+    """Positions of a later pipeline stage's input ``h``: as given, default those of its tokens.
+
+    ``h`` is the residual stream, split along the sequence over ``tp`` under
+    sequence parallelism, so its rank holds ``h.shape[1] * tp`` of the tokens.
+    """
+    if h.dim() != 3 or not h.is_floating_point():
+        raise ValueError(
+            f"stage: a later stage's input must be hidden states (B, T, D), got {tuple(h.shape)} {h.dtype}"
+        )
+    if positions is not None:
+        return positions
+    layout = current()
+    t = h.shape[1] * (layout.tp if layout is not None and layout.sequence_parallel else 1)
+    return par.local_positions(t, device=h.device)
+
+
+def dense_layers(
+    cfg: Any,  # an AttentionConfig
+    layers: Mapping[str, Any],  # params["layers"]: {"0": {...}, ...}
+    h: torch.Tensor,  # (B, T, D) residual stream
+    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
+    sin: torch.Tensor,
+    indices: range,
+) -> torch.Tensor:  # (B, T, D)
+    """Pre-norm blocks ``indices`` (in order): ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``."""
+    # explicit order: dict/optree order would put "10" before "2"
+    for i in indices:
+        p = layers[str(i)]
+        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin)
+        h = h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"])
+    return h
+
+
+def dense_stage(
+    cfg: Any,  # an AttentionConfig with ffn_dim
+    params: Mapping[str, Any],  # this stage's subtree: layers.{i} of ``layers``, embed if first, norm if last
+    x: torch.Tensor,  # (B, T) int tokens if first, else (B, T, D) hidden from the previous stage
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+    positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
+    family: str,
+    scaling: nn.RopeScaling | None = None,
+) -> torch.Tensor:  # (B, T, D): residual stream, or final-normed hidden if last
+    """One pipeline stage of the pre-norm decoder: embed (``first``), blocks ``layers``, final norm (``last``).
+
+    Stages over consecutive ranges of ``range(n_layers)`` compose to
+    ``apply(..., logits=False)`` exactly; the last stage's output is whole on
+    every tp rank (ready for the head), the others' are in the residual-stream
+    layout (split along the sequence under sequence parallelism).
+    """
+    positions = positions_for(x, positions, family=family) if first else _hidden_positions(x, positions)
+    inv_freq = nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=x.device)
+    cos, sin = nn.rope_cos_sin(positions, inv_freq)
+    h = par.embed(x, params["embed"]) if first else x
+    h = dense_layers(cfg, params["layers"], h, cos, sin, layers)
+    return par.column_input(norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
+
+
 def dense_forward(
     cfg: Any,  # an AttentionConfig with ffn_dim
     params: Mapping[str, Any],
@@ -191,15 +255,11 @@ def dense_forward(
     family: str,
     scaling: nn.RopeScaling | None = None,
 ) -> torch.Tensor:  # (B, T, V) logits | (B, T, D) final-normed hidden
-    """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head."""
-    cos, sin = rope(cfg, tokens, positions, family=family, scaling=scaling)
-    h = par.embed(tokens, params["embed"])
-    # explicit order 0..L-1: dict/optree order would put "10" before "2"
-    for i in range(cfg.n_layers):
-        p = params["layers"][str(i)]
-        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin)
-        h = h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"])
-    h = par.column_input(norm(cfg, h, params["norm"]))  # (B, T, D): whole on every tp rank
+    """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head
+    (one :func:`dense_stage` over all layers)."""
+    every = range(cfg.n_layers)
+    h = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions, family=family,
+                    scaling=scaling)  # fmt: skip
     return nn.linear(h, output_head(cfg, params)) if logits else h
 
 

@@ -27,6 +27,13 @@ load by renaming, plus stacking the per-expert tensors (see ``hf_weights``).
 Multi-token-prediction modules of the checkpoints are not modelled (HF
 drops them too).
 
+Parallel (``ftitan.parallel``): FSDP / DDP, tensor and sequence parallel
+(MLA heads, expert and MLP widths, vocab over ``tp``; the small latent
+projections replicated), context parallel, and expert parallel (routed
+experts over ``ep``, ``ftitan.parallel.expert``). The balancing loss and
+the router load (hence ``update_buffers``' bias step) are those of the
+global batch, the same on every rank.
+
 >>> import torch, ftitan as ft
 >>> from ftitan.models import deepseek_v3
 >>> m = deepseek_v3.model(deepseek_v3.Config.debug())
@@ -66,6 +73,8 @@ from ftitan.nn import mla as mla_
 from ftitan.nn import moe as moe_
 from ftitan.nn.attention import AttentionImpl
 from ftitan.nn.rope import YarnRopeScaling
+from ftitan.parallel import activations as par
+from ftitan.parallel import expert
 
 __all__ = [
     "FLAVORS",
@@ -325,21 +334,47 @@ def _apply_with_aux(
     if cache is not None:
         raise NotImplementedError("deepseek_v3.apply: KV cache is not implemented yet; pass cache=None")
     cos, sin = mla_.mla_rope(decoder.positions_for(tokens, positions, family="deepseek_v3"), mla_cfg)
-    h = nn.embed(tokens, params["embed"])
+    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
+    h = par.embed(tokens, params["embed"])
     stats = []
     # explicit order 0..L-1: dict/optree order would put "10" before "2"
     for i in range(cfg.n_layers):
         p = params["layers"][str(i)]
-        h = h + mla_.mla(nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), p["attn"], cos, sin, mla_cfg)
-        x = nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps)
+        h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg)
+        x = decoder.norm(cfg, h, p["mlp_norm"])
         if i < cfg.n_dense_layers:
-            h = h + nn.swiglu(x, **p["mlp"])
+            h = h + decoder.mlp(x, p["mlp"])
         else:
-            y, s = moe_.moe(x, p["moe"], moe_cfg)
+            y, s = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
             h = h + y
             stats.append(s)
-    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
-    return (nn.linear(h, params["head"]) if logits else h), cache, moe_.moe_aux(stats, moe_cfg)
+    h = par.column_input(decoder.norm(cfg, h, params["norm"]))  # (B, T, D): whole on every tp rank
+    out = nn.linear(h, _head(params)) if logits else h
+    return out, cache, expert.moe_aux(stats, moe_cfg)  # router statistics of the global batch
+
+
+# MLA's latent projections and norms: replicated over tp (logical "q_lora"/"kv_lora"/"norm"), but their
+# cotangents come from the tp-split heads of wq_b / wkv_b (partial sums), so their gradients are summed
+_LATENT = ("wq_a", "q_norm", "wkv_a", "kv_norm")
+
+
+def _attention(
+    x: torch.Tensor,  # (B, T_local, D) normed residual stream
+    p: Mapping[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cfg: mla_.MLAConfig,
+) -> torch.Tensor:  # (B, T_local, D)
+    """MLA under the current layout: column-parallel in (heads over tp), row-parallel out (``wo``),
+    context-parallel attention; exactly ``nn.mla.mla`` without a layout."""
+    x = par.column_input(x)
+    p = {k: par.tp_shared(p[k], "heads") if k in _LATENT else p[k] for k in p}
+    return par.row_output(mla_.mla(x, p, cos, sin, cfg, attend=par.attention))
+
+
+def _head(params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
+    """The output head, whole (all-gathered when its vocab rows are split over tp)."""
+    return par.gather_vocab(params["head"])
 
 
 def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[str, torch.Tensor]) -> Any:
@@ -394,7 +429,7 @@ def model(cfg: Config) -> Model:
         config=cfg,
         init=init,
         apply=drop_aux(apply_with_aux),
-        head=lambda params: params["head"],
+        head=_head,
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
         apply_with_aux=apply_with_aux,

@@ -225,6 +225,7 @@ def model(cfg: Config) -> Model:
         head=functools.partial(decoder.output_head, cfg),
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
+        stage=functools.partial(decoder.dense_stage, cfg, family="llama", scaling=cfg.rope_scaling),
     )
 
 

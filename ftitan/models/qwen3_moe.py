@@ -11,6 +11,11 @@ Switch load-balancing loss times ``aux_loss_coef`` (HF
 router statistics (``nn.moe.moe_aux``). Logits and the aux loss match
 ``transformers.Qwen3MoeForCausalLM`` to float32 rounding.
 
+Parallel (``ftitan.parallel``): FSDP / DDP, tensor and sequence parallel
+(heads, expert and MLP widths, vocab over ``tp``), context parallel, and
+expert parallel (routed experts over ``ep``, ``ftitan.parallel.expert``),
+with the balancing loss and router load of the global batch.
+
 >>> import torch, ftitan as ft
 >>> from ftitan.models import qwen3_moe
 >>> m = qwen3_moe.model(qwen3_moe.Config.debug())
@@ -54,6 +59,8 @@ from ftitan.models import base, decoder, hf, qwen3
 from ftitan.models.base import Model
 from ftitan.nn.attention import AttentionImpl
 from ftitan.nn.moe import MoEConfig
+from ftitan.parallel import activations as par
+from ftitan.parallel import expert
 
 __all__ = [
     "FLAVORS",
@@ -226,22 +233,23 @@ def _apply_with_aux(
     if cache is not None:
         raise NotImplementedError("qwen3_moe.apply: KV cache is not implemented yet; pass cache=None")
     cos, sin = decoder.rope(cfg, tokens, positions, family="qwen3_moe")
-    h = nn.embed(tokens, params["embed"])
+    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
+    h = par.embed(tokens, params["embed"])
     stats = []
     # explicit order 0..L-1: dict/optree order would put "10" before "2"
     for i in range(cfg.n_layers):
         p = params["layers"][str(i)]
-        h = h + decoder.attention(cfg, p["attn"], nn.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin)
-        x = nn.rms_norm(h, p["mlp_norm"], cfg.norm_eps)
+        h = h + decoder.attention(cfg, p["attn"], decoder.norm(cfg, h, p["attn_norm"]), cos, sin)
+        x = decoder.norm(cfg, h, p["mlp_norm"])
         if "moe" in p:
-            y, s = nn.moe.moe(x, p["moe"], moe_cfg)
+            y, s = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
             stats.append(s)
         else:
-            y = nn.swiglu(x, **p["mlp"])
+            y = decoder.mlp(x, p["mlp"])
         h = h + y
-    h = nn.rms_norm(h, params["norm"], cfg.norm_eps)
+    h = par.column_input(decoder.norm(cfg, h, params["norm"]))  # (B, T, D): whole on every tp rank
     out = nn.linear(h, decoder.output_head(cfg, params)) if logits else h
-    return out, cache, nn.moe.moe_aux(stats, moe_cfg)
+    return out, cache, expert.moe_aux(stats, moe_cfg)  # router statistics of the global batch
 
 
 def model(cfg: Config) -> Model:

@@ -42,7 +42,7 @@ meant to stay unsharded under tensor parallelism, as TorchTitan keeps
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -167,15 +167,25 @@ def mla(
     cos: torch.Tensor,  # (T, Dr) | (B, T, Dr) from mla_rope
     sin: torch.Tensor,
     cfg: MLAConfig,
+    *,
+    attend: Callable[..., torch.Tensor] = attention,
 ) -> torch.Tensor:  # (B, T, D)
-    """Multi-head latent attention of ``x`` over itself, causal (see the module docstring)."""
+    """Multi-head latent attention of ``x`` over itself, causal (see the module docstring).
+
+    ``attend(q, k, v, *, impl, causal, scale)`` is the attention op (default
+    ``nn.attention``; ``ftitan.parallel.activations.attention`` for context
+    parallelism). Head counts come from the weights' shapes, so a rank
+    holding ``H / tp`` heads of ``wq``/``wq_b``/``wkv_b``/``wo`` (tensor
+    parallel) computes just those.
+    """
     b, t, _ = x.shape
-    h, dn, dr, dv, rkv = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    dn, dr, dv, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         q = linear(x, p["wq"])
     else:
         q = linear(rms_norm(linear(x, p["wq_a"]), p["q_norm"], cfg.latent_norm_eps), p["wq_b"])
-    q_nope, q_rope = q.view(b, t, h, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
+    q_nope, q_rope = q.view(b, t, -1, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
+    h = q_nope.shape[2]
     latent, k_rope = linear(x, p["wkv_a"]).split((rkv, dr), dim=-1)  # (B, T, Rkv), (B, T, Dr)
     latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps)
     q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
@@ -184,5 +194,5 @@ def mla(
     k_nope, v = linear(latent, p["wkv_b"]).view(b, t, h, dn + dv).split((dn, dv), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, Dn + Dr)
     k = torch.cat((k_nope, k_rope.expand(b, t, h, dr)), dim=-1)
-    o = attention(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.softmax_scale)  # (B, T, H, Dv)
+    o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.softmax_scale)  # (B, T, H, Dv)
     return linear(o.reshape(b, t, h * dv), p["wo"])

@@ -21,7 +21,9 @@ One layer serves every MoE family (Qwen3-MoE, DeepSeek-V3, Kimi K2):
   experts (a plain SwiGLU every token passes through) are added.
 
 These are separate pure functions so expert parallelism can put an
-all-to-all between dispatch and experts and between experts and combine.
+all-to-all between dispatch and experts and between experts and combine:
+``moe(..., experts_fn=ftitan.parallel.expert.experts_forward)`` does (see
+``ftitan.parallel.expert``; this module does not depend on a mesh).
 :func:`moe` composes them and returns per-layer :class:`MoEStats`;
 :func:`moe_aux` turns the stats of all layers into the model's aux dict
 (load-balancing loss, tokens per expert). :func:`update_router_bias` is the
@@ -37,7 +39,7 @@ Params (``moe_params``)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -51,6 +53,7 @@ from ftitan.nn.param import Param, truncated_normal_init, zeros_init
 __all__ = [
     "SCORE_FUNCS",
     "Dispatch",
+    "ExpertsFn",
     "MoEConfig",
     "MoEStats",
     "Routing",
@@ -204,6 +207,10 @@ def experts_forward(
     return grouped_mm(gate * torch.sigmoid(gate) * up, w2.transpose(-2, -1), offs)
 
 
+# (x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3) -> (M, D): the experts seam of moe()
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def experts_reference(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):
     """Naive per-expert loop over unsorted tokens (eager; the reference for tests): ``(N, D)``."""
     out = torch.zeros_like(x)
@@ -223,14 +230,25 @@ def combine(y: torch.Tensor, d: Dispatch, routing: Routing) -> torch.Tensor:  # 
     return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
 
 
-def moe(x: torch.Tensor, p: Mapping[str, Any], cfg: MoEConfig) -> tuple[torch.Tensor, MoEStats]:
-    """The MoE feed-forward of ``x`` (B, T, D) (or (N, D)), and this layer's routing statistics."""
+def moe(
+    x: torch.Tensor,  # (B, T, D) | (N, D)
+    p: Mapping[str, Any],
+    cfg: MoEConfig,
+    *,
+    experts_fn: ExpertsFn = experts_forward,
+) -> tuple[torch.Tensor, MoEStats]:  # same shape as x; stats
+    """The MoE feed-forward of ``x``, and this layer's routing statistics.
+
+    ``experts_fn`` computes the experts on the dispatched rows (signature of
+    :func:`experts_forward`); ``ftitan.parallel.expert.experts_forward``
+    puts the expert-parallel all-to-alls around it.
+    """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     routing = route(x2, p, cfg)
     d = dispatch(x2, routing, cfg.n_experts)
     ex = p["experts"]
-    out = combine(experts_forward(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing)
+    out = combine(experts_fn(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing)
     if cfg.n_shared_experts:
         out = out + swiglu(x2, **p["shared"])
     n = torch.tensor(float(x2.shape[0]), device=x.device)

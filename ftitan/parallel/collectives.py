@@ -3,7 +3,8 @@
 Each is a ``torch.autograd.Function`` built on functional collectives
 (``torch.distributed._functional_collectives``), with its adjoint as the
 backward: all-gather <-> reduce-scatter, all-reduce <-> identity,
-all-to-all <-> the reverse all-to-all. They run eagerly, under
+all-to-all <-> the reverse all-to-all, and :func:`psum` (an all-reduce whose
+backward all-reduces too). They run eagerly, under
 ``torch.autograd.grad`` and under ``torch.compile(fullgraph=True)``.
 
 Why the collectives run under ``no_grad`` inside forward/backward: torch
@@ -40,6 +41,7 @@ __all__ = [
     "all_to_all",
     "count_bytes",
     "grad_all_reduce",
+    "psum",
     "reduce_scatter",
     "record",
     "split",
@@ -80,7 +82,7 @@ def _rs(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:
     n = group.size()
     record("reduce_scatter", (n - 1) / n * _nbytes(x))
     with torch.no_grad():
-        return fc.wait_tensor(fc.reduce_scatter_tensor(x.contiguous(), "sum", dim, group))
+        return fc.wait_tensor(fc.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 def _ar(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:
@@ -154,6 +156,20 @@ class _GradAllReduce(torch.autograd.Function):
         return _ar(g, ctx.group), None
 
 
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
+        return _ar(x, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _ar(g, ctx.group), None
+
+
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
@@ -204,6 +220,18 @@ def grad_all_reduce(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
     data, so its gradient is the sum of every rank's part (Megatron's ``f``).
     """
     return x if group is None or group.size() == 1 else _GradAllReduce.apply(x, group)
+
+
+def psum(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
+    """Sum ``x`` over ranks (the result is replicated); backward sums the cotangent over ranks too.
+
+    The full adjoint of a sum over ranks: use it when each rank goes on to
+    use the sum differently, so every rank's input must receive the
+    cotangents of all ranks (e.g. router statistics of the global
+    batch in a loss each rank weights by its own token count). :func:`all_reduce`
+    is the cheaper form for when those cotangents are identical on every rank.
+    """
+    return x if group is None or group.size() == 1 else _Psum.apply(x, group)
 
 
 def split(x: torch.Tensor, group: DeviceMesh | None, *, dim: int = 0) -> torch.Tensor:

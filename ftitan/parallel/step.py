@@ -17,12 +17,14 @@ Inside, per step:
    whole-matrix algebra see the full tensors, and every optimizer of
    ``ftitan.optim`` works unchanged.
 
-``compile=True`` compiles step 1-2 (``fullgraph=True``); the optimizer runs
-eagerly on DTensors.
+``compile=True`` (or a backend name, e.g. ``"aot_eager"``) compiles steps
+1-2 with ``fullgraph=True``; the optimizer runs eagerly on DTensors.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +43,10 @@ from ftitan.train.state import TrainState
 from ftitan.train.step import value_and_grad
 
 __all__ = ["make_parallel_loss", "make_train_step", "shard_batch", "sharding_of"]
+
+# DTensor warns on every reduction of a leaf that is partial over several mesh axes (global norms of
+# our gradients) that one flattened collective would be faster; correct, and not actionable per step
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def sharding_of(x: Any) -> Sharding:
@@ -96,6 +102,20 @@ def make_parallel_loss(
     return local_loss
 
 
+def _pp_sum(layout: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
+    def combine(sq: torch.Tensor) -> torch.Tensor:
+        sq = sq.full_tensor() if isinstance(sq, DTensor) else sq
+        return C.all_reduce_value(sq, layout.group("pp"))
+
+    return combine
+
+
+def _placed_like(x: Any, ref: Any) -> Any:
+    if isinstance(x, DTensor) and isinstance(ref, DTensor) and x.placements != ref.placements:
+        return x.redistribute(ref.device_mesh, ref.placements)
+    return x
+
+
 def _merge_aux(aux: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
     """Metrics of the global batch: counts summed over data ranks, statistics averaged."""
     axes = layout.data_axes()
@@ -109,27 +129,56 @@ def _merge_aux(aux: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.
     return out
 
 
+def _compiled(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]:
+    compiled = torch.compile(fn, fullgraph=True, **({"backend": compile} if isinstance(compile, str) else {}))
+
+    def run(*args: Any) -> Any:
+        # dynamo traces torch.autograd.grad (the gradient path of parallel steps) only when asked to
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return compiled(*args)
+
+    return run
+
+
 def make_train_step(
-    loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
     optimizer: optim.Transform,
     layout: Layout,
     *,
-    compile: bool = False,
+    compile: bool | str = False,
     update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
+    grad_fn: Callable[[Any], Callable[..., Any]] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A train step over ``layout``: ``step(state, local_batch) -> (state, metrics)`` (see the module doc).
 
     ``metrics`` are those of the global batch (``loss`` is the global mean,
     ``grad_norm`` the norm of the full gradient), the same on every rank.
+
+    ``grad_fn(shardings) -> fn(local_params, local_batch) -> (grads, (loss, aux))``
+    replaces the gradient of ``loss_fn`` (then unused, may be ``None``), e.g.
+    ``parallel.pipeline_grad(model, layout, ...)`` for pipeline parallelism
+    (``state.params`` then holds this rank's stage, ``parallel.stage_params``;
+    keep ``compile=False``: its sends run eagerly). Its losses, summed over
+    every rank, must be the global mean, like :func:`make_parallel_loss`'s.
+    With ``pp > 1`` each rank's optimizer sees its stage's gradients; global
+    norms (``clip_by_global_norm``, ``metrics["grad_norm"]``) add the squares
+    of every stage (``ftitan.tree.norm_across``).
     """
+    if grad_fn is None and loss_fn is None:
+        raise ValueError("parallel.make_train_step: pass a loss_fn, or a grad_fn (e.g. parallel.pipeline_grad(...))")
     cache: dict[Any, Callable[..., Any]] = {}
 
     def grad_fn_for(params: Any) -> Callable[..., Any]:
         shardings = T.map(sharding_of, params)
         key = tuple(str(s) for s in T.leaves(shardings))
         if key not in cache:
-            fn = value_and_grad(make_parallel_loss(loss_fn, layout, shardings), impl="autograd")
-            cache[key] = torch.compile(fn, fullgraph=True) if compile else fn
+            if grad_fn is not None:
+                fn = grad_fn(shardings)
+            else:
+                fn = value_and_grad(make_parallel_loss(loss_fn, layout, shardings), impl="autograd")
+            if compile:
+                fn = _compiled(fn, compile)
+            cache[key] = fn
         return cache[key]
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
@@ -137,11 +186,17 @@ def make_train_step(
         with use(layout):
             grads_local, (loss, aux) = grad_fn(to_local(state.params), batch)
         grads = from_local(grads_local, state.params)
-        with implicit_replication():
+        # with pp > 1 each rank holds one stage: norms (clipping, the metric) add every stage's squares
+        across = T.norm_across(_pp_sum(layout)) if layout.sizes["pp"] > 1 else contextlib.nullcontext()
+        with implicit_replication(), across:
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optim.apply_updates(state.params, updates)
+            # whole-matrix algebra (Muon's Newton-Schulz) may leave an update placed otherwise: keep
+            # every param where the rules put it
+            params = T.map(_placed_like, optim.apply_updates(state.params, updates), state.params)
             grad_norm = T.global_norm(grads)
         axes = (*layout.data_axes(), "tp") if layout.tp > 1 else layout.data_axes()
+        if layout.sizes["pp"] > 1:  # each pp rank holds one stage and its share of the loss
+            axes = (*axes, "pp")
         metrics = {
             "loss": _sum_over(loss.detach(), layout, axes),
             "grad_norm": grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm,
