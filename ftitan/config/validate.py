@@ -84,6 +84,14 @@ def _check_parallel(cfg: TrainConfig) -> None:
     if cfg.data.batch_size % data_ranks:
         raise _fail("--data.batch-size", cfg.data.batch_size,
                     f"must be divisible by dp_replicate * dp_shard * ep = {data_ranks} (each reads its own rows)")
+    if p.pp > 1:
+        if p.pp > cfg.model.n_layers:
+            raise _fail("--parallel.pp", p.pp, f"more pipeline stages than the model's {cfg.model.n_layers} layers")
+        local, n = cfg.data.batch_size // data_ranks, p.pp_microbatches or 2 * p.pp
+        if local % n:
+            raise _fail("--parallel.pp-microbatches", n, f"each rank's batch of {local} rows (--data.batch-size / "
+                        f"{data_ranks} data-parallel ranks) must split into that many micro-batches; use a divisor "
+                        f"of {local}, or a larger batch")  # fmt: skip
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise _fail("--data.seq-len", cfg.data.seq_len, f"context parallel needs a multiple of 2 * cp = {2 * p.cp}")
 

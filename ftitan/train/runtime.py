@@ -1,7 +1,8 @@
 """Where a run's steps execute: one process, or a torchrun world with a parallel layout.
 
 The trainer talks to a ``Runtime`` and stays the same for both:
-``place(params)`` (DTensors on the mesh, or as they are), ``make_step``,
+``place(params, model)`` (this rank's pipeline stage as DTensors on the
+mesh, or the params as they are), ``make_step``,
 ``local_batch`` (this rank's rows and sequence chunks), ``eval_loss``,
 ``to_full`` / ``from_full`` for checkpoints (a checkpoint holds full
 tensors, so it loads under any layout), and ``is_main`` (rank 0 writes
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from ftitan import parallel
 from ftitan import tree as T
 from ftitan.config.schema import ParallelConfig
+from ftitan.models.base import Model
 from ftitan.parallel.rules import local_slice
 from ftitan.train.step import make_train_step
 
@@ -40,53 +42,87 @@ class Runtime:
         self.is_main = layout is None or dist.get_rank() == 0
         self._owns_group = False
 
-    def place(self, params: Any, axes: Any) -> Any:
+    @property
+    def pp(self) -> int:
+        return 1 if self.layout is None else self.layout.sizes["pp"]
+
+    def place(self, params: Any, model: Model) -> Any:
+        """``params`` (full) as this rank holds them: its pipeline stage, split by the rules."""
         if self.layout is None:
             return params
+        axes = model.param_axes
+        if self.pp > 1:
+            params, axes = parallel.stage_params(params, model, self.layout), parallel.stage_params(axes, model, self.layout)
         return parallel.shard_params(params, axes, self.layout.rules, self.layout)
 
-    def make_step(self, loss_fn: Any, opt: Any, *, accum_steps: int, compile: bool, update_buffers: Any) -> Callable:
+    def _pipeline(self, model: Model) -> Any:
+        n = self.cfg.pp_microbatches or 2 * self.pp
+        return parallel.pipeline_grad(model, self.layout, schedule=self.cfg.pp_schedule, n_microbatches=n)
+
+    def make_step(
+        self, model: Model, loss_fn: Any, opt: Any, *, accum_steps: int, compile: bool, update_buffers: Any
+    ) -> Callable:
         if self.layout is None:
             step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers)
             return torch.compile(step, fullgraph=True) if compile else step
         if accum_steps != 1:
-            raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1")
+            raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "
+                             "(under pp, --parallel.pp-microbatches splits it)")  # fmt: skip
+        if self.pp > 1:  # eager: the schedule's sends and receives run in Python
+            return parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
+                                            update_buffers=update_buffers)  # fmt: skip
         return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers)
 
     def local_batch(self, batch: Any) -> Any:
         return batch if self.layout is None else parallel.shard_batch(batch, self.layout)
 
-    @torch.no_grad()
-    def eval_loss(self, loss_fn: Any, params: Any, batch: Any) -> float:
+    def eval_loss(self, model: Model, loss_fn: Any, params: Any, batch: Any) -> float:
         """The global batch's mean loss (MoE: without the balancing term)."""
         if self.layout is None:
-            loss, aux = loss_fn(params, batch)
+            with torch.no_grad():
+                loss, aux = loss_fn(params, batch)
             return float(aux.get("ce_loss", loss))
         shardings = T.map(parallel.sharding_of, params)
-        local = parallel.make_parallel_loss(_ce_only(loss_fn), self.layout, shardings)
-        with parallel.use(self.layout):
-            loss, _ = local(parallel.to_local(params), self.local_batch(batch))
-        for a in (*self.layout.data_axes(), "tp"):
-            loss = parallel.collectives.all_reduce_value(loss, self.layout.group(a))
+        local_params, local_batch = parallel.to_local(params), self.local_batch(batch)
+        if self.pp > 1:  # the pipeline's forward and backward; its gradients are dropped
+            _, (loss, _) = self._pipeline(model)(shardings)(local_params, local_batch)
+        else:
+            with torch.no_grad(), parallel.use(self.layout):
+                loss, _ = parallel.make_parallel_loss(_ce_only(loss_fn), self.layout, shardings)(local_params, local_batch)
+        for a in (*self.layout.data_axes(), "tp", "pp"):
+            loss = parallel.collectives.all_reduce_value(loss.detach(), self.layout.group(a))
         return float(loss)
 
-    def to_full(self, tree: Any) -> Any:
-        """Full tensors (collective: every rank calls it)."""
-        return tree if self.layout is None else parallel.unshard(tree)
+    def to_full(self, tree: Any, full_like: Any) -> Any:
+        """Full tensors shaped like ``full_like`` (collective: every rank calls it). Under pp every stage's
+        leaves are gathered by dotted path, so the whole model's state comes back on every rank."""
+        if self.layout is None:
+            return tree
+        mine = parallel.unshard(tree)
+        if self.pp == 1:
+            return mine
+        paths, leaves, _ = T.flatten_with_paths(mine)
+        stages: list[Any] = [None] * self.pp
+        dist.all_gather_object(stages, dict(zip(paths, leaves, strict=True)), group=self.layout.group("pp").get_group())
+        by_path = {p: x for stage in stages for p, x in stage.items()}
+        return T.map_with_path(lambda p, _: by_path[p], full_like)
 
     def from_full(self, full: Any, like: Any) -> Any:
-        """``full`` placed like the DTensors of ``like`` (this rank's blocks; no communication)."""
+        """``full`` placed like the DTensors of ``like`` (this rank's stage and blocks; no communication)."""
         if self.layout is None:
             return full
+        paths, leaves, _ = T.flatten_with_paths(full)
+        by_path = dict(zip(paths, leaves, strict=True))
 
-        def one(x: Any, ref: Any) -> Any:
+        def one(path: str, ref: Any) -> Any:
+            x = by_path[path]
             if not isinstance(ref, DTensor):
                 return x
             local = local_slice(x, parallel.sharding_of(ref), self.layout.coords, self.layout.sizes).contiguous()
             return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                                       stride=ref.stride())  # fmt: skip
 
-        return T.map(one, full, like)
+        return T.map_with_path(one, like)
 
     def barrier(self) -> None:
         if self.layout is not None:
@@ -118,8 +154,6 @@ def setup(cfg: ParallelConfig) -> Runtime:
     dims.check(world)
     if world == 1:
         return Runtime(None, cfg)
-    if cfg.pp > 1:
-        raise NotImplementedError("--parallel.pp > 1 in `ftitan train` is not wired yet; use parallel.pipeline directly")
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(cfg.backend)

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import torch
 
-from ftitan import checkpoint, data, optim, random
+from ftitan import checkpoint, data, optim, random, tree
 from ftitan.config.schema import DataConfig, OptimConfig, ParallelConfig, TrainConfig
 from ftitan.models import registry
 from ftitan.train.losses import next_token_loss
@@ -163,16 +163,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     full_params = model.init(random.key(cfg.seed))
     opt = build_optimizer(cfg.optim, cfg.steps, full_params, frozen=model.frozen)
     loss_fn = next_token_loss(model)
-    step_fn = rt.make_step(loss_fn, opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
+    step_fn = rt.make_step(model, loss_fn, opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
                            update_buffers=model.update_buffers)  # fmt: skip
-    state: TrainState = init_state(rt.place(full_params, model.param_axes), opt, rng=random.key(cfg.seed))
+    state: TrainState = init_state(rt.place(full_params, model), opt, rng=random.key(cfg.seed))
     loader = data.init_loader_state(cfg.seed)
 
     ckpt_dir = run_dir / "checkpoints"
+    # what a checkpoint holds: full tensors (shapes only here; meta allocates nothing)
+    full_like = init_state(tree.map(lambda x: x.to("meta"), full_params), opt, rng=random.key(cfg.seed))
     start = 0
     if resume and (latest := checkpoint.latest(ckpt_dir)) is not None:
-        # checkpoints hold full tensors: load them whole, then take this rank's blocks
-        like = {"state": init_state(full_params, opt), "loader": loader}
+        # checkpoints hold full tensors: load them whole, then take this rank's stage and blocks
+        like = {"state": full_like, "loader": loader}
         restored, manifest = checkpoint.load(latest, like)
         state, loader, start = rt.from_full(restored["state"], state), restored["loader"], manifest.step
     metrics = _Metrics(run_dir, keep_until=start) if rt.is_main else None
@@ -199,13 +201,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                             **load)  # fmt: skip
         t_side = time.perf_counter()
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            ev = evaluate(functools.partial(rt.eval_loss, loss_fn), state.params, eval_ds,
+            ev = evaluate(functools.partial(rt.eval_loss, model, loss_fn), state.params, eval_ds,
                           batch_size=cfg.data.batch_size, max_batches=cfg.eval_batches)  # fmt: skip
             if metrics is not None:
                 metrics.log({"step": step, "eval_loss": ev})
                 bar.write(f"step {step}: held-out loss {ev:.4f}")
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:  # checkpoint
-            full_state = rt.to_full(state)  # collective under a layout
+            full_state = rt.to_full(state, full_like)  # collective under a layout
             if rt.is_main:
                 checkpoint.save(ckpt_dir, step, {"state": full_state, "loader": loader}, keep=cfg.keep,
                                 extra={"config": cfg_dict})  # fmt: skip

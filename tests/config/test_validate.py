@@ -59,6 +59,10 @@ CASES = [
     (dict(data__vocab_size=256, model__vocab_size=256), "--data.vocab-size"),
     (dict(data__seq_len=0), "--data.seq-len"),
     (dict(data__batch_size=0), "--data.batch-size"),
+    (dict(parallel__tp=2), "--parallel.*"),  # one process launched
+    (dict(parallel__pp_schedule="zero-bubble"), "--parallel.pp-schedule"),
+    (dict(parallel__pp_microbatches=-1), "--parallel.pp-microbatches"),
+    (dict(parallel__backend="mpi"), "--parallel.backend"),
 ]
 
 
@@ -66,6 +70,22 @@ CASES = [
 def test_each_rule_names_its_flag(changes, flag):
     with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
         config.validate(_with(_base(), **changes))
+
+
+@pytest.mark.parametrize(
+    ("world", "changes", "flag"),
+    [
+        (4, dict(parallel__dp_shard=4, data__batch_size=6), "--data.batch-size"),
+        (4, dict(parallel__cp=4, data__seq_len=100), "--data.seq-len"),
+        (2, dict(parallel__pp=2, data__batch_size=6), "--parallel.pp-microbatches"),  # 6 rows, 4 micro-batches
+        (8, dict(parallel__pp=8), "--parallel.pp=8"),  # 4 layers
+    ],
+)
+def test_parallel_rules_under_torchrun_name_their_flag(monkeypatch, world, changes, flag):
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # what torchrun --nproc-per-node sets
+    with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
+        config.validate(_with(_base(), **changes))
+    config.validate(_with(_base(), parallel__dp_shard=world))  # the right degrees pass
 
 
 def test_valid_variants_pass(tmp_path):

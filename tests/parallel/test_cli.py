@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ftitan.config.cli import parse_train_args
 from ftitan.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
-ARGS = ["--recipe", "llama3-debug", "--model.n-layers", "2", "--data.seq-len", "64", "--data.batch-size", "4",
+ARGS = ["--recipe", "llama3-debug", "--model.n-layers", "2", "--data.seq-len", "64", "--data.batch-size", "8",
         "--steps", "3", "--optim.warmup", "1", "--log-every", "1", "--compile", "False", "--eval-every", "0",
         "--eval-batches", "1", "--ckpt-every", "0"]  # fmt: skip
 
@@ -29,13 +31,22 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
-def test_fsdp_tp_run_from_the_cli_matches_the_single_process_run(tmp_path):
-    par = _torchrun(*ARGS, "--parallel.dp-shard", "2", "--parallel.tp", "2", "--run-dir", str(tmp_path / "par"))
+@pytest.fixture(scope="module")
+def single_losses(tmp_path_factory) -> list[float]:
+    single = train(parse_train_args([*ARGS, "--run-dir", str(tmp_path_factory.mktemp("single"))]), progress=False)
+    return [r["loss"] for r in single["records"] if "loss" in r]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--parallel.dp-shard", "2", "--parallel.tp", "2"), ("--parallel.pp", "2", "--parallel.dp-shard", "2")],
+    ids=["dp_shard2_tp2", "pp2_dp_shard2"],
+)
+def test_parallel_run_from_the_cli_matches_the_single_process_run(tmp_path, single_losses, flags):
+    par = _torchrun(*ARGS, *flags, "--run-dir", str(tmp_path / "par"))
     assert par.returncode == 0, par.stderr[-4000:]
     assert par.stdout.count("done: 3 steps") == 1  # rank 0 reports
-    single = train(parse_train_args([*ARGS, "--run-dir", str(tmp_path / "single")]), progress=False)
-    ref = [r["loss"] for r in single["records"] if "loss" in r]
-    got = _losses(tmp_path / "par")
+    ref, got = single_losses, _losses(tmp_path / "par")
     assert len(got) == len(ref) == 3
     # fp32, same data and init; sums in another order: differences are rounding (~1e-6)
     assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-5, (got, ref)
