@@ -31,6 +31,7 @@ __all__ = [
     "RECIPES",
     "Recipe",
     "deepseek_v3_debug",
+    "deepseek_v3_debug_ep",
     "get_recipe",
     "kimi_k2_debug",
     "llama3_1b",
@@ -171,3 +172,13 @@ def kimi_k2_debug() -> TrainConfig:
         routed_scale=k2.routed_scale, n_shared_experts=k2.n_shared_experts, moe_ffn_dim=64,
     )  # fmt: skip
     return _debug_run(model)
+
+
+@recipe("deepseek-v3-debug-ep")
+def deepseek_v3_debug_ep() -> TrainConfig:
+    """``deepseek-v3-debug`` on 4 processes: expert parallel 2 x FSDP 2 (eager: the expert all-to-all is
+    sized by the routing).
+
+    ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe deepseek-v3-debug-ep``
+    """
+    return attrs.evolve(deepseek_v3_debug(), parallel=ParallelConfig(ep=2, dp_shard=2), compile=False)

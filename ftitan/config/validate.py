@@ -92,6 +92,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
             raise _fail("--parallel.pp-microbatches", n, f"each rank's batch of {local} rows (--data.batch-size / "
                         f"{data_ranks} data-parallel ranks) must split into that many micro-batches; use a divisor "
                         f"of {local}, or a larger batch")  # fmt: skip
+    if cfg.compile and (p.pp > 1 or p.ep > 1):
+        why = "pipeline sends and receives" if p.pp > 1 else "the expert all-to-all, sized by the routing,"
+        raise _fail("--compile", cfg.compile, f"with --parallel.{'pp' if p.pp > 1 else 'ep'} > 1 the step runs "
+                    f"eagerly ({why} run in Python); pass --compile False")  # fmt: skip
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise _fail("--data.seq-len", cfg.data.seq_len, f"context parallel needs a multiple of 2 * cp = {2 * p.cp}")
 

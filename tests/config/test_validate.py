@@ -77,8 +77,10 @@ def test_each_rule_names_its_flag(changes, flag):
     [
         (4, dict(parallel__dp_shard=4, data__batch_size=6), "--data.batch-size"),
         (4, dict(parallel__cp=4, data__seq_len=100), "--data.seq-len"),
-        (2, dict(parallel__pp=2, data__batch_size=6), "--parallel.pp-microbatches"),  # 6 rows, 4 micro-batches
-        (8, dict(parallel__pp=8), "--parallel.pp=8"),  # 4 layers
+        (2, dict(parallel__pp=2, data__batch_size=6, compile=False), "--parallel.pp-microbatches"),  # 6 rows, 4 micro
+        (8, dict(parallel__pp=8, compile=False), "--parallel.pp=8"),  # 4 layers
+        (2, dict(parallel__pp=2), "--compile"),  # the pipeline runs eagerly
+        (2, dict(parallel__ep=2), "--compile"),
     ],
 )
 def test_parallel_rules_under_torchrun_name_their_flag(monkeypatch, world, changes, flag):

@@ -59,3 +59,17 @@ def test_degrees_that_do_not_multiply_to_the_world_size_fail_at_start(tmp_path):
     assert "degrees tp 2 = 2, but 4 processes were launched" in bad.stderr
     assert "--parallel.dp-shard 4" in bad.stderr  # the fix
     assert not (tmp_path / "bad").exists()  # nothing was written
+
+
+def test_expert_parallel_recipe_matches_the_single_process_run(tmp_path):
+    # deepseek-v3-debug-ep: ep 2 x dp_shard 2; aux-loss-free bias updates from the global load
+    args = ["--recipe", "deepseek-v3-debug-ep", "--model.n-layers", "2", "--data.seq-len", "64", "--steps", "3",
+            "--optim.warmup", "1", "--log-every", "1", "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "0"]
+    par = _torchrun(*args, "--run-dir", str(tmp_path / "par"))
+    assert par.returncode == 0, par.stderr[-4000:]
+    single = train(parse_train_args([*args, "--parallel.ep", "1", "--parallel.dp-shard", "1",
+                                     "--run-dir", str(tmp_path / "single")]), progress=False)  # fmt: skip
+    ref = [r["loss"] for r in single["records"] if "loss" in r]
+    got = _losses(tmp_path / "par")
+    assert len(got) == len(ref) == 3
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-5, (got, ref)
