@@ -7,7 +7,8 @@ warm-up with a barrier around each, and counting the bytes each rank sends
 in one more (eager) step through ``ftitan.parallel.collectives`` (the
 step's gathers, reductions, all-to-alls and sends; the optimizer's DTensor
 norm reductions, a few scalars, are not counted). Layouts with ``ep`` use a
-Qwen3-MoE model of the same size, compared with its own single-process run.
+Qwen3-MoE model of the same size, compared with its own single-process run;
+layouts with ``pp`` run 1F1B over 4 micro-batches.
 
 Prints one JSON object (DESIGN.md, "Benchmarks"): per layout the median
 step time, tokens/s, bytes sent per rank per step (by collective), and the
@@ -31,6 +32,8 @@ import attrs
 import torch
 import tyro
 
+from ftitan.bench import timing
+
 __all__ = ["Options", "main", "parse_layout", "run"]
 
 DEFAULT_LAYOUTS = (
@@ -40,6 +43,7 @@ DEFAULT_LAYOUTS = (
     "tp=4",
     "tp=2,cp=2",
     "ep=2,dp_shard=2",
+    "pp=2,dp_shard=2",
 )
 
 
@@ -138,10 +142,16 @@ def _worker_layout(cfg: dict[str, Any], degrees: dict[str, int], warmup: int, ro
     import ftitan as ft
     from ftitan import parallel
 
+    from ftitan.config.schema import ParallelConfig
+    from ftitan.train.runtime import Runtime
+
     model, opt, batch = _model(cfg, moe=degrees.get("ep", 1) > 1), _optimizer(), _batch(cfg)
-    layout = parallel.Layout(parallel.mesh(**degrees))
-    params = parallel.shard_params(model.init(ft.random.key(0)), model.param_axes, layout.rules, layout)
-    step = parallel.make_train_step(ft.train.next_token_loss(model), opt, layout, update_buffers=model.update_buffers)
+    # the trainer's runtime: pipeline stages (4 micro-batches) when pp > 1
+    rt = Runtime(parallel.Layout(parallel.mesh(**degrees)), ParallelConfig(**degrees, pp_microbatches=4))
+    layout = rt.layout
+    params = rt.place(model.init(ft.random.key(0)), model)
+    step = rt.make_step(model, ft.train.next_token_loss(model), opt, accum_steps=1, compile=False,
+                        update_buffers=model.update_buffers)  # fmt: skip
     state, local = ft.train.init_state(params, opt), parallel.shard_batch(batch, layout)
     times = []
     for i in range(warmup + rounds):
@@ -178,8 +188,6 @@ def _worker(spec: dict[str, Any]) -> None:
 
 def run(opts: Options) -> dict[str, Any]:
     """Run the benchmark; the JSON-ready result."""
-    from ftitan.bench import timing
-
     cfg = _config(opts)
     warmup, rounds = (1, 1) if opts.quick else (opts.warmup, opts.rounds)
     for text in opts.layouts:
@@ -216,13 +224,7 @@ def run(opts: Options) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     opts = tyro.cli(Options, args=argv, prog="ftitan bench parallel", description=__doc__.split("\n\n")[0])
     result = run(opts)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if opts.out is not None:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = opts.out.with_name(opts.out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(opts.out)
+    timing.emit(result, opts.out)
     return 0 if result["met"] else 1
 
 

@@ -22,7 +22,6 @@ measured in the same run. Prints one JSON object (see DESIGN.md,
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -193,13 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = tyro.cli(Options, args=argv, prog="ftitan bench step", description=__doc__.split("\n\n")[0])
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.cwd() / ".cache" / "inductor"))
     result = run(opts)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if opts.out is not None:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = opts.out.with_name(opts.out.name + ".tmp")
-        tmp.write_text(text + "\n")
-        tmp.replace(opts.out)
+    timing.emit(result, opts.out)
     return 0
 
 

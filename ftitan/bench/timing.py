@@ -11,16 +11,19 @@ Pure stdlib + torch. Every result is a plain, JSON-serializable dict.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = [
+    "emit",
     "time_steps",
     "ratios",
     "gemm_peak_flops",
@@ -182,3 +185,14 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def emit(result: Mapping[str, Any], out: Path | None) -> None:
+    """Print a benchmark's JSON object; with ``out``, also write it there (atomically: tmp + rename)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text + "\n")
+        tmp.replace(out)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -100,117 +100,59 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: De
         return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return _ag(x, dim, group)
+def _local_block(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:
+    return x.chunk(group.size(), dim=dim)[group.get_local_rank()].contiguous()
+
+
+def _same(x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return x.view_as(x)  # a view: an autograd.Function must not return its input as is
+
+
+def _a2a_back(g: torch.Tensor, out_splits: list[int], in_splits: list[int], group: DeviceMesh) -> torch.Tensor:
+    return _a2a(g, in_splits, out_splits, group)
+
+
+# name -> (forward, its adjoint); both take (tensor, *args) with the same args
+_ADJOINTS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
+    "all_gather": (_ag, _rs),  # args: (dim, group)
+    "reduce_scatter": (_rs, _ag),
+    "split": (_local_block, _ag),
+    "all_reduce": (_ar, _same),  # args: (group,)
+    "grad_all_reduce": (_same, _ar),
+    "psum": (_ar, _ar),
+    "all_to_all": (_a2a, _a2a_back),  # args: (out_splits, in_splits, group)
+}
+
+
+class _Collective(torch.autograd.Function):
+    """``_ADJOINTS[name]``: the collective forward, its adjoint backward."""
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.group = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _rs(g, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return _rs(x, dim, group)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.group = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _ag(g, ctx.dim, ctx.group), None, None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return _ar(x, group)
+    def forward(x: torch.Tensor, name: str, args: tuple[Any, ...]) -> torch.Tensor:  # type: ignore[override]
+        return _ADJOINTS[name][0](x, *args)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
+        ctx.name, ctx.args = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return g, None
-
-
-class _GradAllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _ar(g, ctx.group), None
-
-
-class _Psum(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return _ar(x, group)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.group = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _ar(g, ctx.group), None
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return x.chunk(group.size(), dim=dim)[group.get_local_rank()].contiguous()
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dim, ctx.group = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _ag(g, ctx.dim, ctx.group), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: DeviceMesh) -> torch.Tensor:  # type: ignore[override]
-        return _a2a(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.out_splits, ctx.in_splits, ctx.group = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        return _a2a(g, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        return _ADJOINTS[ctx.name][1](g, *ctx.args), None, None
 
 
 def all_gather(x: torch.Tensor, group: DeviceMesh | None, *, dim: int = 0) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; backward reduce-scatters (sums) the gradient."""
-    return x if group is None or group.size() == 1 else _AllGather.apply(x, dim, group)
+    return x if group is None or group.size() == 1 else _Collective.apply(x, "all_gather", (dim, group))
 
 
 def reduce_scatter(x: torch.Tensor, group: DeviceMesh | None, *, dim: int = 0) -> torch.Tensor:
     """Sum ``x`` over ranks and keep this rank's block along ``dim``; backward all-gathers."""
-    return x if group is None or group.size() == 1 else _ReduceScatter.apply(x, dim, group)
+    return x if group is None or group.size() == 1 else _Collective.apply(x, "reduce_scatter", (dim, group))
 
 
 def all_reduce(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
     """Sum partial values over ranks (the result is replicated); backward passes the gradient through."""
-    return x if group is None or group.size() == 1 else _AllReduce.apply(x, group)
+    return x if group is None or group.size() == 1 else _Collective.apply(x, "all_reduce", (group,))
 
 
 def grad_all_reduce(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
@@ -219,7 +161,7 @@ def grad_all_reduce(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
     Marks a replicated value that each rank goes on to use with different
     data, so its gradient is the sum of every rank's part (Megatron's ``f``).
     """
-    return x if group is None or group.size() == 1 else _GradAllReduce.apply(x, group)
+    return x if group is None or group.size() == 1 else _Collective.apply(x, "grad_all_reduce", (group,))
 
 
 def psum(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
@@ -231,12 +173,12 @@ def psum(x: torch.Tensor, group: DeviceMesh | None) -> torch.Tensor:
     batch in a loss each rank weights by its own token count). :func:`all_reduce`
     is the cheaper form for when those cotangents are identical on every rank.
     """
-    return x if group is None or group.size() == 1 else _Psum.apply(x, group)
+    return x if group is None or group.size() == 1 else _Collective.apply(x, "psum", (group,))
 
 
 def split(x: torch.Tensor, group: DeviceMesh | None, *, dim: int = 0) -> torch.Tensor:
     """This rank's block of a replicated ``x`` along ``dim``; backward all-gathers."""
-    return x if group is None or group.size() == 1 else _Split.apply(x, dim, group)
+    return x if group is None or group.size() == 1 else _Collective.apply(x, "split", (dim, group))
 
 
 def all_to_all(
@@ -248,7 +190,7 @@ def all_to_all(
     """
     if group is None or group.size() == 1:
         return x
-    return _AllToAll.apply(x, [int(s) for s in out_splits], [int(s) for s in in_splits], group)
+    return _Collective.apply(x, "all_to_all", ([int(s) for s in out_splits], [int(s) for s in in_splits], group))
 
 
 def all_reduce_value(x: torch.Tensor, group: DeviceMesh | None, *, op: str = "sum") -> torch.Tensor:

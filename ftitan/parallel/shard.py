@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ftitan import tree
@@ -33,7 +34,7 @@ def shard_params(
     params: tree.Tree,
     axes: tree.Tree,
     rules: Rules,
-    layout: Layout,
+    layout: Layout | DeviceMesh,
     *,
     check: bool = False,
     min_numel: int = 1 << 16,
@@ -45,6 +46,8 @@ def shard_params(
     ``check=True`` also runs the "insufficiently sharded" check
     (:func:`ftitan.parallel.check_sharded`) for leaves of ``min_numel`` or more.
     """
+    if isinstance(layout, DeviceMesh):  # a mesh from parallel.mesh(...): placed by these rules
+        layout = Layout(layout, rules)
     shardings = resolve(params, axes, rules, layout.mesh)
     if check:
         check_sharded(params, shardings, layout.mesh, min_numel=min_numel)
