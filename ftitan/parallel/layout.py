@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+from ftitan.parallel import collectives as C
 
 from ftitan.parallel.dims import AXES, DATA_AXES
 from ftitan.parallel.rules import Rules, default_rules
@@ -71,6 +74,12 @@ class Layout:
     def data_axes(self) -> tuple[str, ...]:
         """Axes (size > 1) whose ranks see different tokens."""
         return tuple(a for a in DATA_AXES if self.sizes[a] > 1)
+
+    def sum(self, x: torch.Tensor, axes: Sequence[str]) -> torch.Tensor:
+        """``x`` summed over the mesh ``axes`` (not differentiable: counts, losses, metrics)."""
+        for a in axes:
+            x = C.all_reduce_value(x, self.group(a))
+        return x
 
     def __repr__(self) -> str:
         degrees = ", ".join(f"{a}={self.sizes[a]}" for a in AXES if self.sizes[a] > 1) or "single rank"

@@ -56,6 +56,7 @@ from ftitan.models.base import Model
 from ftitan.parallel import collectives as C
 from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.shard import gather_leaf
+from ftitan.parallel.step import loss_share
 from ftitan.train.losses import IGNORE_INDEX, chunked_cross_entropy
 
 __all__ = [
@@ -240,7 +241,7 @@ class _StageRun:
             ce = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), self.model.head(self.params),
                                        targets.reshape(-1), chunk_size=self.chunk_size)  # fmt: skip
             n_m = (targets != IGNORE_INDEX).sum()
-            out = ce * (n_m / self.n_global) / self.layout.tp  # every tp rank computes the same loss
+            out = loss_share(ce, n_m, self.n_global, self.layout)
             self.loss = self.loss + out.detach()
         else:
             if not self.header_sent:
@@ -286,12 +287,6 @@ def _split(batch: Mapping[str, torch.Tensor], n: int) -> list[dict[str, torch.Te
 
 
 # ---------------------------------------------------------------- the grad function
-
-
-def _sum_over(x: torch.Tensor, layout: Layout, axes: tuple[str, ...]) -> torch.Tensor:
-    for a in axes:
-        x = C.all_reduce_value(x, layout.group(a))
-    return x
 
 
 def pipeline_grad(
@@ -344,7 +339,7 @@ def _step(
 
     micro = _split(batch, n_microbatches)
     n_local = (batch["targets"] != IGNORE_INDEX).sum()
-    n_global = _sum_over(n_local, layout, layout.data_axes()).clamp(min=1)
+    n_global = layout.sum(n_local, layout.data_axes()).clamp(min=1)
     run = _StageRun(model, layout, T.unflatten(treedef, compute), micro, n_global, layers=layers,
                     chunk_size=chunk_size, device=n_global.device)  # fmt: skip
     _execute(actions, run)

@@ -42,7 +42,7 @@ from ftitan.parallel.shard import from_local, gathered, to_local
 from ftitan.train.state import TrainState
 from ftitan.train.step import value_and_grad
 
-__all__ = ["make_parallel_loss", "make_train_step", "shard_batch", "sharding_of"]
+__all__ = ["loss_share", "make_parallel_loss", "make_train_step", "shard_batch", "sharding_of"]
 
 # DTensor warns on every reduction of a leaf that is partial over several mesh axes (global norms of
 # our gradients) that one flattened collective would be faster; correct, and not actionable per step
@@ -76,10 +76,11 @@ def shard_batch(batch: dict[str, torch.Tensor], layout: Layout) -> dict[str, tor
     return T.map(one, batch)
 
 
-def _sum_over(x: torch.Tensor, layout: Layout, axes: tuple[str, ...]) -> torch.Tensor:
-    for a in axes:
-        x = C.all_reduce_value(x, layout.group(a))
-    return x
+def loss_share(loss: torch.Tensor, n_local: torch.Tensor, n_global: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """This rank's share of the global mean: ``loss`` (a mean over ``n_local`` tokens) times
+    ``n_local / n_global``, over ``tp`` (every tp rank computes the same loss). Summed over every
+    rank, shares and their gradients are the global mean's."""
+    return loss * (n_local / n_global) / layout.tp
 
 
 def make_parallel_loss(
@@ -95,9 +96,8 @@ def make_parallel_loss(
     def local_loss(local_params: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, aux = loss_fn(gathered(local_params, shardings, layout), batch)
         n_local = aux["n_tokens"]
-        n_global = _sum_over(n_local, layout, data_axes).clamp(min=1)
-        # every tp rank computes the same loss: each takes 1/tp of it
-        return loss * (n_local / n_global) / layout.tp, aux
+        n_global = layout.sum(n_local, data_axes).clamp(min=1)
+        return loss_share(loss, n_local, n_global, layout), aux
 
     return local_loss
 
@@ -124,7 +124,7 @@ def _merge_aux(aux: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.
         n *= layout.sizes[a]
     out = {}
     for k, v in aux.items():
-        total = _sum_over(v.detach().to(torch.float64) if v.is_floating_point() else v.detach(), layout, axes)
+        total = layout.sum(v.detach().to(torch.float64) if v.is_floating_point() else v.detach(), axes)
         out[k] = total if not v.is_floating_point() else (total / n).to(v.dtype)
     return out
 
@@ -198,7 +198,7 @@ def make_train_step(
         if layout.sizes["pp"] > 1:  # each pp rank holds one stage and its share of the loss
             axes = (*axes, "pp")
         metrics = {
-            "loss": _sum_over(loss.detach(), layout, axes),
+            "loss": layout.sum(loss.detach(), axes),
             "grad_norm": grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm,
             **_merge_aux(aux, layout),
         }

@@ -89,9 +89,7 @@ class Runtime:
         else:
             with torch.no_grad(), parallel.use(self.layout):
                 loss, _ = parallel.make_parallel_loss(_ce_only(loss_fn), self.layout, shardings)(local_params, local_batch)
-        for a in (*self.layout.data_axes(), "tp", "pp"):
-            loss = parallel.collectives.all_reduce_value(loss.detach(), self.layout.group(a))
-        return float(loss)
+        return float(self.layout.sum(loss.detach(), (*self.layout.data_axes(), "tp", "pp")))
 
     def to_full(self, tree: Any, full_like: Any) -> Any:
         """Full tensors shaped like ``full_like`` (collective: every rank calls it). Under pp every stage's
