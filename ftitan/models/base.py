@@ -7,14 +7,17 @@ Every family module (``llama``, later ``qwen3``, ``deepseek_v3``, ...) exposes
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
 from ftitan import tree
 
-__all__ = ["ApplyAuxFn", "ApplyFn", "InitFn", "Model", "StageFn", "drop_aux"]
+if TYPE_CHECKING:
+    from ftitan.nn.moe import MoEStats
+
+__all__ = ["ApplyAuxFn", "ApplyFn", "InitFn", "Model", "StageFn", "StageOut", "drop_aux"]
 
 
 class InitFn(Protocol):
@@ -55,6 +58,22 @@ class ApplyAuxFn(Protocol):
     ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]: ...
 
 
+class StageOut(NamedTuple):
+    """What a pipeline stage returns (:class:`StageFn`).
+
+    - ``h`` (B, T, D): the stage's output (see :class:`StageFn`).
+    - ``stats``: ``{global layer index: MoEStats}`` of the stage's MoE
+      layers, in layer order, this rank's tokens only (not yet summed over
+      the data axes); ``{}`` for dense stages. The pipeline turns them into
+      the stage's share of the balancing loss and the router-load metrics;
+      ``apply_with_aux`` over one stage of every layer passes
+      ``list(stats.values())`` to ``ftitan.parallel.expert.moe_aux``.
+    """
+
+    h: torch.Tensor
+    stats: Mapping[int, MoEStats]
+
+
 class StageFn(Protocol):
     """One pipeline stage: the embedding (``first``), the blocks ``layers``, the final norm (``last``).
 
@@ -64,7 +83,9 @@ class StageFn(Protocol):
     ``first``, ``norm`` when ``last``). The last stage returns what
     ``apply(..., logits=False)`` does (the final-normed hidden states, for a
     chunked cross-entropy against ``head(params)``); stages over consecutive
-    layer ranges compose to it exactly.
+    layer ranges compose to it exactly. Returns a :class:`StageOut`: the
+    hidden states and the router statistics of the stage's MoE layers
+    (``{}`` for dense families).
     """
 
     def __call__(
@@ -76,7 +97,7 @@ class StageFn(Protocol):
         first: bool,
         last: bool,
         positions: torch.Tensor | None = ...,  # (T,) | (B, T) int; default arange(T)
-    ) -> torch.Tensor: ...  # (B, T, D)
+    ) -> StageOut: ...  # h (B, T, D), stats
 
 
 def drop_aux(apply_with_aux: ApplyAuxFn) -> ApplyFn:

@@ -16,6 +16,7 @@ import torch
 
 from ftitan import nn
 from ftitan.models import hf
+from ftitan.models.base import StageOut
 from ftitan.nn.attention import AttentionImpl
 from ftitan.parallel import activations as par
 from ftitan.parallel.layout import current
@@ -30,6 +31,7 @@ __all__ = [
     "dense_forward",
     "dense_layers",
     "dense_stage",
+    "stage_positions",
     "check_positive_int",
     "HF_ATTENTION",
     "HF_MLP",
@@ -201,6 +203,18 @@ def _hidden_positions(h: torch.Tensor, positions: torch.Tensor | None) -> torch.
     return par.local_positions(t, device=h.device)
 
 
+def stage_positions(
+    x: torch.Tensor,  # (B, T) int tokens if first, else (B, T, D) hidden from the previous stage
+    positions: torch.Tensor | None,
+    *,
+    first: bool,
+    family: str,
+) -> torch.Tensor:  # (T,) | (B, T) int
+    """Positions of a pipeline stage's input: those of the tokens on the first stage, of the hidden
+    states (whose sequence may be split over tp) on a later one; ``positions`` when given."""
+    return positions_for(x, positions, family=family) if first else _hidden_positions(x, positions)
+
+
 def dense_layers(
     cfg: Any,  # an AttentionConfig
     layers: Mapping[str, Any],  # params["layers"]: {"0": {...}, ...}
@@ -229,7 +243,7 @@ def dense_stage(
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
     family: str,
     scaling: nn.RopeScaling | None = None,
-) -> torch.Tensor:  # (B, T, D): residual stream, or final-normed hidden if last
+) -> StageOut:  # h (B, T, D): residual stream, or final-normed hidden if last; stats {}
     """One pipeline stage of the pre-norm decoder: embed (``first``), blocks ``layers``, final norm (``last``).
 
     Stages over consecutive ranges of ``range(n_layers)`` compose to
@@ -237,12 +251,13 @@ def dense_stage(
     every tp rank (ready for the head), the others' are in the residual-stream
     layout (split along the sequence under sequence parallelism).
     """
-    positions = positions_for(x, positions, family=family) if first else _hidden_positions(x, positions)
+    positions = stage_positions(x, positions, first=first, family=family)
     inv_freq = nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=x.device)
     cos, sin = nn.rope_cos_sin(positions, inv_freq)
     h = par.embed(x, params["embed"]) if first else x
     h = dense_layers(cfg, params["layers"], h, cos, sin, layers)
-    return par.column_input(norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
+    h = par.column_input(norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
+    return StageOut(h, {})  # dense: no router statistics
 
 
 def dense_forward(
@@ -258,8 +273,8 @@ def dense_forward(
     """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head
     (one :func:`dense_stage` over all layers)."""
     every = range(cfg.n_layers)
-    h = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions, family=family,
-                    scaling=scaling)  # fmt: skip
+    h, _ = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions, family=family,
+                       scaling=scaling)  # fmt: skip
     return nn.linear(h, output_head(cfg, params)) if logits else h
 
 

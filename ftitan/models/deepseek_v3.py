@@ -67,7 +67,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
-from ftitan.models import decoder, hf
+from ftitan.models import base, decoder, hf
 from ftitan.models.base import Model, drop_aux
 from ftitan.nn import mla as mla_
 from ftitan.nn import moe as moe_
@@ -320,9 +320,40 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     return float(6 * matmul + scores)
 
 
-def _apply_with_aux(
+def _stage(
     cfg: Config,
     mla_cfg: mla_.MLAConfig,  # cfg.mla and cfg.moe, built once outside (torch.compile cannot build attrs classes)
+    moe_cfg: moe_.MoEConfig,
+    params: Mapping[str, Any],  # this stage's subtree: layers.{i} of ``layers``, embed if first, norm if last
+    x: torch.Tensor,  # (B, T) int tokens if first, else (B, T, D) hidden from the previous stage
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+    positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
+) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}
+    """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
+    and one pipeline stage (``base.StageFn``)."""
+    cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3"), mla_cfg)
+    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
+    h = par.embed(x, params["embed"]) if first else x
+    stats = {}
+    for i in layers:  # explicit order: dict/optree order would put "10" before "2"
+        p = params["layers"][str(i)]
+        h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg)
+        x = decoder.norm(cfg, h, p["mlp_norm"])
+        if i < cfg.n_dense_layers:
+            h = h + decoder.mlp(x, p["mlp"])
+        else:
+            y, stats[i] = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
+            h = h + y
+    h = par.column_input(decoder.norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
+    return base.StageOut(h, stats)
+
+
+def _apply_with_aux(
+    cfg: Config,
+    mla_cfg: mla_.MLAConfig,
     moe_cfg: moe_.MoEConfig,
     params: Mapping[str, Any],
     tokens: torch.Tensor,  # (B, T) int
@@ -333,24 +364,10 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     if cache is not None:
         raise NotImplementedError("deepseek_v3.apply: KV cache is not implemented yet; pass cache=None")
-    cos, sin = mla_.mla_rope(decoder.positions_for(tokens, positions, family="deepseek_v3"), mla_cfg)
-    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
-    h = par.embed(tokens, params["embed"])
-    stats = []
-    # explicit order 0..L-1: dict/optree order would put "10" before "2"
-    for i in range(cfg.n_layers):
-        p = params["layers"][str(i)]
-        h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg)
-        x = decoder.norm(cfg, h, p["mlp_norm"])
-        if i < cfg.n_dense_layers:
-            h = h + decoder.mlp(x, p["mlp"])
-        else:
-            y, s = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
-            h = h + y
-            stats.append(s)
-    h = par.column_input(decoder.norm(cfg, h, params["norm"]))  # (B, T, D): whole on every tp rank
+    h, stats = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
+                      positions=positions)  # fmt: skip
     out = nn.linear(h, _head(params)) if logits else h
-    return out, cache, expert.moe_aux(stats, moe_cfg)  # router statistics of the global batch
+    return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 
 # MLA's latent projections and norms: replicated over tp (logical "q_lora"/"kv_lora"/"norm"), but their
@@ -398,6 +415,8 @@ def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[
     layers = dict(params["layers"])
     with torch.no_grad():
         for j, i in enumerate(range(cfg.n_dense_layers, cfg.n_layers)):
+            if str(i) not in layers:  # a pipeline stage holds only its own layers; the load covers all
+                continue
             block = dict(layers[str(i)])
             moe = dict(block["moe"])
             moe["router_bias"] = moe_.update_router_bias(moe["router_bias"], load[j], cfg.bias_update_rate)
@@ -433,6 +452,7 @@ def model(cfg: Config) -> Model:
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
         apply_with_aux=apply_with_aux,
+        stage=functools.partial(_stage, cfg, cfg.mla, cfg.moe),
         frozen=FROZEN,
         update_buffers=functools.partial(update_router_bias, cfg),
     )

@@ -220,9 +220,40 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     return float(6 * matmul + scores)
 
 
-def _apply_with_aux(
+def _stage(
     cfg: Config,
     moe_cfg: MoEConfig,  # cfg.moe, built once outside: dynamo cannot trace a frozen attrs __init__
+    params: Mapping[str, Any],  # this stage's subtree: layers.{i} of ``layers``, embed if first, norm if last
+    x: torch.Tensor,  # (B, T) int tokens if first, else (B, T, D) hidden from the previous stage
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+    positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
+) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}
+    """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
+    and one pipeline stage (``base.StageFn``)."""
+    positions = decoder.stage_positions(x, positions, first=first, family="qwen3_moe")
+    cos, sin = nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, device=x.device))
+    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
+    h = par.embed(x, params["embed"]) if first else x
+    stats = {}
+    for i in layers:  # explicit order: dict/optree order would put "10" before "2"
+        p = params["layers"][str(i)]
+        h = h + decoder.attention(cfg, p["attn"], decoder.norm(cfg, h, p["attn_norm"]), cos, sin)
+        x = decoder.norm(cfg, h, p["mlp_norm"])
+        if "moe" in p:
+            y, stats[i] = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
+        else:
+            y = decoder.mlp(x, p["mlp"])
+        h = h + y
+    h = par.column_input(decoder.norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
+    return base.StageOut(h, stats)
+
+
+def _apply_with_aux(
+    cfg: Config,
+    moe_cfg: MoEConfig,
     params: Mapping[str, Any],
     tokens: torch.Tensor,  # (B, T) int
     *,
@@ -232,24 +263,11 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     if cache is not None:
         raise NotImplementedError("qwen3_moe.apply: KV cache is not implemented yet; pass cache=None")
-    cos, sin = decoder.rope(cfg, tokens, positions, family="qwen3_moe")
-    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
-    h = par.embed(tokens, params["embed"])
-    stats = []
-    # explicit order 0..L-1: dict/optree order would put "10" before "2"
-    for i in range(cfg.n_layers):
-        p = params["layers"][str(i)]
-        h = h + decoder.attention(cfg, p["attn"], decoder.norm(cfg, h, p["attn_norm"]), cos, sin)
-        x = decoder.norm(cfg, h, p["mlp_norm"])
-        if "moe" in p:
-            y, s = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
-            stats.append(s)
-        else:
-            y = decoder.mlp(x, p["mlp"])
-        h = h + y
-    h = par.column_input(decoder.norm(cfg, h, params["norm"]))  # (B, T, D): whole on every tp rank
+    decoder.positions_for(tokens, positions, family="qwen3_moe")  # checks tokens is (B, T)
+    h, stats = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
+                      positions=positions)  # fmt: skip
     out = nn.linear(h, decoder.output_head(cfg, params)) if logits else h
-    return out, cache, expert.moe_aux(stats, moe_cfg)  # router statistics of the global batch
+    return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 
 def model(cfg: Config) -> Model:
@@ -265,6 +283,7 @@ def model(cfg: Config) -> Model:
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
         apply_with_aux=apply_with_aux,
+        stage=functools.partial(_stage, cfg, cfg.moe),
     )
 
 

@@ -34,6 +34,27 @@ times ``n_m / n_global / tp`` (``n_m`` its tokens with a target,
 :func:`ftitan.parallel.make_parallel_loss` does for a whole batch: summed over
 micro-batches and ranks, losses and gradients are those of the global mean.
 
+MoE families (``Model.apply_with_aux``; their stages also return each MoE
+layer's router statistics, :class:`ftitan.models.base.StageOut`): the
+Switch balancing loss pools the statistics over every layer before its
+product, ``LB = E sum_e (C_e / R) (P_e / R)`` (``C``: expert counts, ``P``:
+router-probability sums, ``R``: rows, each summed over layers; see
+``nn.moe.load_balancing_loss``), so per-stage losses do not add. But ``C``
+and ``R`` are piecewise constant (no gradient), and ``LB`` is linear in
+``P``: ``LB = sum_s E <C, P_s> / R^2`` with ``P_s`` the sum over stage
+``s``'s layers, exactly, in value and gradient, once every stage knows the
+totals ``C`` and ``R``. So each forward sends, after the activation, a
+packet ``(C, P, R)`` (detached, ``2E + 1`` floats) accumulated over the
+stages so far; the last stage holds the totals of micro-batch ``m`` and
+sends them back with the gradients, and each stage's backward of ``m``
+adds its term ``c E <C, P_s> / R^2``, weighted like the cross-entropy
+(``n_m / n_global / tp``). Each term is the balancing loss of micro-batch
+``m`` (its statistics summed over the data axes), as with gradient
+accumulation: the objective is ``sum_m n_m / n_global (CE_m + c LB_m)``.
+The router loads (``moe.tokens_per_expert`` (L_moe, E), summed over
+micro-batches) are summed over ``pp`` after the step, so every stage
+reports, and DeepSeek-V3's ``update_buffers`` reads, the whole model's.
+
 FSDP inside a stage: each leaf is gathered once per step (not per
 micro-batch); micro-batch gradients accumulate on the gathered weights and
 are reduce-scattered / all-reduced once, after the last backward (what
@@ -54,6 +75,7 @@ import torch.distributed as dist
 from ftitan import tree as T
 from ftitan.models.base import Model
 from ftitan.parallel import collectives as C
+from ftitan.parallel.expert import global_stats
 from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.shard import gather_leaf
 from ftitan.parallel.step import loss_share
@@ -102,7 +124,7 @@ def _check_staged(model: Model, pp: int) -> None:
     if pp > 1 and model.stage is None:
         raise ValueError(
             f"pipeline parallel: the {family} Model has no `stage` function, so it cannot be split into "
-            f"pp={pp} stages; use pp=1, or a family that has one (llama, qwen3)"
+            f"pp={pp} stages; use pp=1, or a family that has one (llama, qwen3, qwen3_moe, deepseek_v3)"
         )
     if pp > 1 and getattr(model.config, "tie_embeddings", False):
         raise ValueError(
@@ -227,6 +249,7 @@ class _StageRun:
         self.in_shape: tuple[tuple[int, ...], torch.dtype] | None = None
         self.header_sent = False
         self.loss = torch.zeros((), device=device)
+        self.moe = _MoETerms(model, layout, device) if model.apply_with_aux is not None else None
 
     def forward(self, m: int) -> None:
         if self.first:
@@ -235,7 +258,10 @@ class _StageRun:
             if self.in_shape is None:
                 self.in_shape = self.p2p.recv_header(self.stage - 1)
             x = self.p2p.recv(*self.in_shape, self.stage - 1).requires_grad_()  # (b, T, D)
-        out = self.model.stage(self.params, x, layers=self.layers, first=self.first, last=self.last)
+        out, stats = self.model.stage(self.params, x, layers=self.layers, first=self.first, last=self.last)
+        if self.moe is not None:
+            before = None if self.first else self.p2p.recv((self.moe.packet_size,), torch.float32, self.stage - 1)
+            packet = self.moe.forward(m, stats, before)
         if self.last:
             targets = self.micro[m]["targets"]
             ce = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), self.model.head(self.params),
@@ -243,21 +269,103 @@ class _StageRun:
             n_m = (targets != IGNORE_INDEX).sum()
             out = loss_share(ce, n_m, self.n_global, self.layout)
             self.loss = self.loss + out.detach()
+            if self.moe is not None:
+                self.moe.totals[m] = packet
+                self.moe.record_loss(packet, n_m)
         else:
             if not self.header_sent:
                 self.p2p.send_header(out, self.stage + 1)
                 self.header_sent = True
             self.p2p.send(out, self.stage + 1)
+            if self.moe is not None:
+                self.p2p.send(packet, self.stage + 1)
         self.saved[m] = (x, out)
 
     def backward(self, m: int) -> None:
         x, out = self.saved.pop(m)
-        if self.last:
-            torch.autograd.backward(out)
-        else:
-            torch.autograd.backward(out, self.p2p.recv(out.shape, out.dtype, self.stage + 1))
+        outs, grads = [out], [None if self.last else self.p2p.recv(out.shape, out.dtype, self.stage + 1)]
+        if self.moe is not None:
+            totals = self.moe.totals.pop(m) if self.last else self.p2p.recv(
+                (self.moe.packet_size,), torch.float32, self.stage + 1)  # fmt: skip
+            n_m = (self.micro[m]["targets"] != IGNORE_INDEX).sum()
+            aux = self.moe.backward_term(m, totals)
+            if aux is not None:  # this stage's share of the balancing loss, weighted like the cross-entropy
+                aux = loss_share(aux, n_m, self.n_global, self.layout)
+                self.loss = self.loss + aux.detach()
+                outs.append(aux)
+                grads.append(torch.ones_like(aux))
+        torch.autograd.backward(outs, grads)
         if not self.first:
             self.p2p.send(x.grad if x.grad is not None else torch.zeros_like(x), self.stage - 1)
+            if self.moe is not None:
+                self.p2p.send(totals, self.stage - 1)
+
+
+class _MoETerms:
+    """A stage's part of the balancing loss and router-load metrics (see the module doc).
+
+    A packet is ``(C (E,), P (E,), R (1,))``: expert counts, router-probability
+    sums and rows, summed over the data axes and over the layers of the
+    stages so far (detached; the stage keeps its own differentiable ``P_s``).
+    """
+
+    def __init__(self, model: Model, layout: Layout, device: torch.device) -> None:
+        moe_cfg = model.config.moe
+        self.layout, self.n_layers, self.device = layout, model.config.n_layers, device
+        self.n_experts, self.coef = moe_cfg.n_experts, moe_cfg.aux_loss_coef
+        self.packet_size = 2 * self.n_experts + 1
+        self.probs: dict[int, torch.Tensor] = {}  # m -> this stage's P_s (E,), differentiable
+        self.totals: dict[int, torch.Tensor] = {}  # m -> the whole model's packet (last stage, forward to backward)
+        self.load: dict[int, torch.Tensor] = {}  # layer -> counts (E,) summed over micro-batches
+        self.lb: list[tuple[torch.Tensor, torch.Tensor]] = []  # (n_m local, LB_m) per micro-batch (last stage)
+
+    def forward(self, m: int, stats: Mapping[int, Any], before: torch.Tensor | None) -> torch.Tensor:  # (2E+1,)
+        """Sum this stage's statistics of micro-batch ``m`` over the data axes; the packet after it."""
+        packet = torch.zeros(self.packet_size, device=self.device) if before is None else before
+        if not stats:
+            return packet
+        layers = list(stats)
+        pooled = global_stats([stats[i] for i in layers])  # differentiable sums over the data axes
+        for i, s in zip(layers, pooled, strict=True):
+            self.load[i] = self.load.get(i, 0) + s.counts
+        self.probs[m] = torch.stack([s.prob_sum for s in pooled]).sum(0)
+        own = torch.cat([torch.stack([s.counts for s in pooled]).sum(0), self.probs[m].detach(),
+                         torch.stack([s.n_tokens for s in pooled]).sum().reshape(1)])  # fmt: skip
+        return packet + own.to(packet.dtype)
+
+    def _split(self, packet: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        e = self.n_experts
+        return packet[:e], packet[e : 2 * e], packet[2 * e].clamp(min=1)
+
+    def backward_term(self, m: int, totals: torch.Tensor) -> torch.Tensor | None:
+        """``c E <C, P_s> / R^2`` of micro-batch ``m`` (``None`` on a stage without MoE layers): its
+        gradient is exactly ``c dLB/dP_s``, and the terms of all stages sum to ``c LB``."""
+        probs = self.probs.pop(m, None)
+        if probs is None:
+            return None
+        counts, _, rows = self._split(totals)
+        return self.coef * self.n_experts * torch.dot(counts, probs.to(counts.dtype)) / rows**2
+
+    def record_loss(self, totals: torch.Tensor, n_m: torch.Tensor) -> None:
+        counts, probs, rows = self._split(totals)
+        self.lb.append((n_m, self.n_experts * torch.dot(counts, probs) / rows**2))
+
+    def metrics(self, n_global: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The whole model's ``moe.*`` metrics of the step (equal on every rank): loads summed over ``pp``,
+        the balancing loss (token-weighted over micro-batches) from the last stage."""
+        e = self.n_experts
+        packed = torch.zeros(self.n_layers, e + 1, device=self.device)  # counts, "is MoE" per layer
+        for i, counts in self.load.items():
+            packed[i, :e], packed[i, e] = counts, 1.0
+        lb = torch.zeros((), device=self.device)
+        if self.lb:
+            n = self.layout.sum(torch.stack([n for n, _ in self.lb]).to(lb.dtype), self.layout.data_axes())
+            lb = (n / n_global * torch.stack([x for _, x in self.lb])).sum()
+        flat = self.layout.sum(torch.cat([packed.reshape(-1), lb.reshape(1)]), ("pp",))
+        packed, lb = flat[:-1].view(self.n_layers, e + 1), flat[-1]
+        tokens = packed[packed[:, e] > 0, :e]  # (L_moe, E)
+        max_load = (tokens.amax(-1) / tokens.mean(-1).clamp(min=1e-9)).amax()
+        return {"moe.aux_loss": lb, "moe.tokens_per_expert": tokens, "moe.max_load": max_load}
 
 
 def _execute(actions: list[Action], run: _StageRun) -> None:
@@ -305,8 +413,10 @@ def pipeline_grad(
     this rank's stage (``stage_params``; ``shardings`` those of its leaves),
     with ``schedule`` over ``n_microbatches`` micro-batches of the local
     batch ``{"inputs", "targets"}`` (B, T). ``loss`` is this rank's weighted
-    part (0 off the last stage; every rank's sum to the global mean, see the
-    module doc), ``aux`` is ``{"n_tokens"}``; ``grads`` are the stage's,
+    part (every rank's sum to the global mean, see the module doc; MoE
+    families add each stage's share of the balancing loss), ``aux`` is
+    ``{"n_tokens"}``, plus the ``moe.*`` metrics of the whole model for MoE
+    families; ``grads`` are the stage's,
     already reduced over the data axes.
     """
     pp, stage = layout.sizes["pp"], layout.coords["pp"]
@@ -350,4 +460,5 @@ def _step(
     reduced = iter(torch.autograd.grad([p[0] for p in pairs], [p[2] for p in pairs], [p[1] for p in pairs],
                                        allow_unused=True, materialize_grads=True) if pairs else ())  # fmt: skip
     grads = [next(reduced) if d else torch.zeros_like(x) for x, d in zip(leaves, diff, strict=True)]
-    return T.unflatten(treedef, grads), (run.loss, {"n_tokens": n_local})
+    aux = {"n_tokens": n_local, **(run.moe.metrics(n_global) if run.moe is not None else {})}
+    return T.unflatten(treedef, grads), (run.loss, aux)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ftitan as ft
-from ftitan.models import llama, qwen3, qwen3_moe
+from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
+from ftitan.nn import moe as moe_
 from ftitan.parallel import pipeline
 
 
@@ -148,10 +149,12 @@ def test_pp_refuses_tied_embeddings_and_families_without_stages():
     moe_cfg = qwen3_moe.Config(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                                n_experts=4, top_k=2, expert_dim=32, ffn_dim=64, max_seq_len=32)  # fmt: skip
     moe = qwen3_moe.model(moe_cfg)
+    assert moe.stage is not None  # the MoE families run staged too
+    unstaged = moe._replace(stage=None)  # a family without a `stage` function
     with pytest.raises(ValueError, match="qwen3_moe Model has no `stage` function.*pp=1"):
-        pipeline.stage_params(moe.init(ft.random.key(0)), moe, fake_layout(2, 0))
+        pipeline.stage_params(moe.init(ft.random.key(0)), unstaged, fake_layout(2, 0))
     with pytest.raises(ValueError, match="qwen3_moe Model has no `stage`"):
-        pipeline.pipeline_grad(moe, fake_layout(2, 0))
+        pipeline.pipeline_grad(unstaged, fake_layout(2, 0))
 
 
 # ---------------------------------------------------------------- Model.stage
@@ -173,8 +176,54 @@ def test_stages_compose_to_apply_exactly(make, pp):
     for s in range(pp):
         part = pipeline.stage_params(params, model, fake_layout(pp, s))
         layers = pipeline.stage_layers(model.config.n_layers, pp, s)
-        x = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
+        x, stats = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
+        assert stats == {}  # dense stages have no router statistics
     torch.testing.assert_close(x, want, rtol=0, atol=0)  # the same ops in the same order: bitwise
+
+
+def tiny_moe(family: str):
+    if family == "qwen3_moe":
+        return qwen3_moe.model(qwen3_moe.Config(vocab_size=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                                                head_dim=16, n_experts=4, top_k=2, expert_dim=32, ffn_dim=64,
+                                                max_seq_len=64, dense_layers=(1,), aux_loss_coef=0.1))  # fmt: skip
+    return deepseek_v3.model(deepseek_v3.Config(
+        vocab_size=256, dim=64, n_layers=3, n_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, ffn_dim=128, n_dense_layers=1, n_experts=8, top_k=2, moe_ffn_dim=32,
+        n_shared_experts=1, n_groups=2, topk_groups=1, aux_loss_coef=0.1, max_seq_len=64,
+    ))  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("pp", [1, 2, 3])
+def test_moe_stages_compose_to_apply_with_aux_exactly(family, pp):
+    model = tiny_moe(family)
+    params = model.init(ft.random.key(0))
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    want, _, want_aux = model.apply_with_aux(params, tokens, logits=False)
+    x, every = tokens, {}
+    for s in range(pp):
+        part = pipeline.stage_params(params, model, fake_layout(pp, s))
+        layers = pipeline.stage_layers(model.config.n_layers, pp, s)
+        x, stats = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
+        assert set(stats) <= set(layers)  # keyed by global layer index, the stage's own MoE layers
+        every.update(stats)
+    torch.testing.assert_close(x, want, rtol=0, atol=0)
+    moe_layers = [i for i in range(3) if "moe" in params["layers"][str(i)]]
+    assert sorted(every) == moe_layers  # the dense layer reports nothing
+    aux = moe_.moe_aux([every[i] for i in moe_layers], model.config.moe)
+    for key in ("loss", "moe.tokens_per_expert", "moe.max_load"):
+        torch.testing.assert_close(aux[key], want_aux[key], rtol=0, atol=0)
+
+
+def test_deepseek_update_buffers_on_a_stage_moves_only_its_biases():
+    model = tiny_moe("deepseek_v3")
+    params = model.init(ft.random.key(0))
+    part = pipeline.stage_params(params, model, fake_layout(2, 1))  # layers 2 (MoE); layer 1 is on stage 0
+    load = torch.tensor([[8.0, 0, 0, 0, 0, 0, 0, 0], [0, 8.0, 0, 0, 0, 0, 0, 0]])  # (L_moe, E): rows for 1, 2
+    new = model.update_buffers(part, {"moe.tokens_per_expert": load})
+    assert sorted(new["layers"]) == ["2"]
+    bias = new["layers"]["2"]["moe"]["router_bias"]
+    assert bias[1] < 0 and bias[0] > 0  # layer 2 read row 1 of the whole model's load
 
 
 def test_stage_with_positions_matches_apply():
@@ -183,8 +232,8 @@ def test_stage_with_positions_matches_apply():
     tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(5, 13)
     want, _ = model.apply(params, tokens, positions=positions, logits=False)
-    h = model.stage(params, tokens, layers=range(2), first=True, last=False, positions=positions)
-    h = model.stage(params, h, layers=range(2, 4), first=False, last=True, positions=positions)
+    h, _ = model.stage(params, tokens, layers=range(2), first=True, last=False, positions=positions)
+    h, _ = model.stage(params, h, layers=range(2, 4), first=False, last=True, positions=positions)
     torch.testing.assert_close(h, want, rtol=0, atol=0)
 
 
