@@ -82,7 +82,7 @@ def steps_check(
     if muon:  # Newton-Schulz in fp32 so that the comparison is not bf16 rounding
         inner = ft.optim.muon_with_adamw(params, lr=3e-3, ns_dtype=torch.float32)
     else:
-        inner = ft.optim.adamw(lr=3e-3, weight_decay=0.1)
+        inner = ft.optim.adamw(lr=ft.optim.warmup_cosine(3e-3, warmup=2, total=n_steps), weight_decay=0.1)
     opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), inner)
     batches = [batch_for(4, 16, 256) for _ in range(n_steps)]
     for i, b in enumerate(batches):  # distinct batches
@@ -101,8 +101,10 @@ def steps_check(
     step = parallel.make_train_step(loss_fn, opt, layout, compile=compile)
     pstate = ft.train.init_state(sharded, opt)
     losses = []
-    for b in batches:
-        pstate, m = step(pstate, parallel.shard_batch(b, layout))
+    for i, b in enumerate(batches):
+        # compiled: the first step compiles, later ones (new data, new lr) must not recompile
+        with torch._dynamo.config.patch(error_on_recompile=bool(compile) and i > 0):
+            pstate, m = step(pstate, parallel.shard_batch(b, layout))
         losses.append(float(m["loss"]))
     final = parallel.unshard(pstate.params)
     return {"check": name, "losses": losses, "ref_losses": ref_losses,

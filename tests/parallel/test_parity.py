@@ -40,7 +40,8 @@ def test_five_steps_dp_shard2_tp2_match_single_process(parity_results):
 
 
 def test_compiled_parallel_step_matches_single_process(parity_results):
-    # the local forward/backward under torch.compile(fullgraph=True, backend="aot_eager")
+    # the local forward/backward under torch.compile(fullgraph=True, backend="aot_eager"); steps after the
+    # first (new batches, a warmup-cosine lr) run under error_on_recompile, so an error here would surface
     r = parity_results["compiled_steps_dp_shard2_tp2"]
     assert "error" not in r, r["error"]
     assert r["loss_diff"] <= 1e-5, (r["losses"], r["ref_losses"])
