@@ -34,6 +34,7 @@ __all__ = [
     "dense_layers",
     "dense_stage",
     "head_params",
+    "logits_of",
     "hf_common_to_hf",
     "hf_ignored",
     "hf_outer_weights",
@@ -171,8 +172,14 @@ def rope(
 
 
 def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
-    """Weight of the output projection: the embedding table when tied (whole, under tensor parallelism)."""
-    return par.gather_vocab(params["embed"] if cfg.tie_embeddings else params["head"])
+    """Weight of the output projection: the embedding table when tied (under tensor parallelism, this
+    rank's vocab slice: the loss is vocab-parallel, ``logits()`` gathers)."""
+    return params["embed"] if cfg.tie_embeddings else params["head"]
+
+
+def logits_of(h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:  # (B, T, D), (V | V / tp, D) -> (B, T, V)
+    """``h @ head.T`` with every vocab entry (the head gathered when tensor parallelism splits it)."""
+    return nn.linear(h, par.gather_vocab(head))
 
 
 def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
@@ -275,7 +282,7 @@ def dense_forward(
     every = range(cfg.n_layers)
     h, _ = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions, family=family,
                        scaling=scaling)  # fmt: skip
-    return nn.linear(h, output_head(cfg, params)) if logits else h
+    return logits_of(h, output_head(cfg, params)) if logits else h
 
 
 # per-layer HF names of the Llama-style decoders (Llama, Qwen3, Qwen3-MoE's attention half)

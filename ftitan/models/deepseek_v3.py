@@ -366,7 +366,7 @@ def _apply_with_aux(
         raise NotImplementedError("deepseek_v3.apply: KV cache is not implemented yet; pass cache=None")
     h, stats = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
                       positions=positions)  # fmt: skip
-    out = nn.linear(h, _head(params)) if logits else h
+    out = decoder.logits_of(h, _head(params)) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 
@@ -390,8 +390,8 @@ def _attention(
 
 
 def _head(params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
-    """The output head, whole (all-gathered when its vocab rows are split over tp)."""
-    return par.gather_vocab(params["head"])
+    """The output head (this rank's vocab slice under tensor parallelism: the loss is vocab-parallel)."""
+    return params["head"]
 
 
 def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[str, torch.Tensor]) -> Any:

@@ -266,7 +266,7 @@ def _apply_with_aux(
     decoder.positions_for(tokens, positions, family="qwen3_moe")  # checks tokens is (B, T)
     h, stats = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
                       positions=positions)  # fmt: skip
-    out = nn.linear(h, decoder.output_head(cfg, params)) if logits else h
+    out = decoder.logits_of(h, decoder.output_head(cfg, params)) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 

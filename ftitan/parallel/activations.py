@@ -16,7 +16,8 @@ moves:
   applies to different data (QK-norm scales on its own heads; norm scales on
   its own tokens under sequence parallelism): its gradient is summed.
 - :func:`embed`: vocab-parallel lookup when ``vocab`` is split.
-- :func:`gather_vocab`: the full output head for the loss.
+- :func:`gather_vocab`: the full output head, for logits (the training loss is vocab-parallel,
+  :mod:`ftitan.parallel.loss`).
 - :func:`attention`: causal attention over the whole sequence when it is
   split over ``cp`` (load-balanced head-tail chunks, K/V all-gathered).
 """
@@ -151,9 +152,8 @@ def embed(tokens: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (B, T) int,
 
 
 def gather_vocab(w: torch.Tensor) -> torch.Tensor:  # (V_local, D) -> (V, D)
-    """The full output head from vocab-split shards (all-gather; the loss is then the same on every
-    tp rank and is weighted ``1/tp`` per rank by the parallel loss, so the reduce-scattered gradient
-    is exact)."""
+    """The full output head from vocab-split shards (all-gather), for ``apply(..., logits=True)``; the
+    training loss never needs it (``ftitan.train.losses.cross_entropy`` is vocab-parallel)."""
     layout = current()
     if layout is None:
         return w

@@ -79,7 +79,7 @@ from ftitan.parallel.expert import global_stats
 from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.shard import gather_leaf
 from ftitan.parallel.step import loss_share
-from ftitan.train.losses import IGNORE_INDEX, chunked_cross_entropy
+from ftitan.train.losses import IGNORE_INDEX, cross_entropy
 
 __all__ = [
     "SCHEDULES",
@@ -264,7 +264,7 @@ class _StageRun:
             packet = self.moe.forward(m, stats, before)
         if self.last:
             targets = self.micro[m]["targets"]
-            ce = chunked_cross_entropy(out.reshape(-1, out.shape[-1]), self.model.head(self.params),
+            ce = cross_entropy(out.reshape(-1, out.shape[-1]), self.model.head(self.params),
                                        targets.reshape(-1), chunk_size=self.chunk_size)  # fmt: skip
             n_m = (targets != IGNORE_INDEX).sum()
             out = loss_share(ce, n_m, self.n_global, self.layout)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "next_token_loss"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "next_token_loss"]
 
 IGNORE_INDEX = -100
 
@@ -110,6 +110,29 @@ def chunked_cross_entropy(
     return total / count
 
 
+def cross_entropy(
+    h: torch.Tensor,  # (N, D) final hidden states
+    w: torch.Tensor,  # (V, D) output projection, or this rank's vocab slice under tensor parallelism
+    targets: torch.Tensor,  # (N,) int64, IGNORE_INDEX where no loss
+    *,
+    chunk_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """:func:`chunked_cross_entropy`; vocab-parallel (``ftitan.parallel.loss``) when the current parallel
+    layout splits the vocab, so that no rank gathers the head or holds all logits."""
+    # imported here: ftitan.parallel imports ftitan.train
+    from ftitan.parallel import layout as parallel_layout
+    from ftitan.parallel import loss as parallel_loss
+
+    layout = parallel_layout.current()
+    if layout is not None and layout.axes_of("vocab"):
+        return parallel_loss.vocab_parallel_cross_entropy(
+            h, w, targets, layout, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction
+        )
+    return chunked_cross_entropy(h, w, targets, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction)
+
+
 def next_token_loss(
     model: Any, *, chunk_size: int = 1024
 ) -> Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -130,9 +153,7 @@ def next_token_loss(
             (h, _), model_aux = model.apply(params, inputs, logits=False), {}  # h: (B, T, D)
         else:
             h, _, model_aux = model.apply_with_aux(params, inputs, logits=False)
-        loss = chunked_cross_entropy(
-            h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size
-        )
+        loss = cross_entropy(h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size)
         aux = {"n_tokens": (targets != IGNORE_INDEX).sum()}
         if "loss" in model_aux:
             aux["ce_loss"] = loss.detach()

@@ -155,7 +155,24 @@ def reshard_check(name: str, a_degrees: dict[str, int], b_degrees: dict[str, int
             "vs_single": max_diff(full, ref)}  # fmt: skip
 
 
+def logits_check(name: str, degrees: dict[str, int]) -> dict:
+    """``apply(..., logits=True)`` under a layout (the head gathered: the loss alone is vocab-parallel)."""
+    model = qwen3.model(tiny_qwen3())  # tied: the gathered head is the vocab-split embedding
+    params = model.init(ft.random.key(0))
+    batch = batch_for(4, 16, 256)
+    ref, _ = model.apply(params, batch["inputs"])
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    view = parallel.gathered(parallel.to_local(sharded), ft.tree.map(parallel.sharding_of, sharded), layout)
+    with parallel.use(layout), torch.no_grad():
+        got, _ = model.apply(view, parallel.shard_batch(batch, layout)["inputs"])
+    index, count = layout.data_rank()
+    return {"check": name, "shape_ok": list(got.shape) == [4 // count, 16, 256],
+            "diff": float((got - ref.chunk(count)[index]).abs().max())}  # fmt: skip
+
+
 CHECKS = {
+    "logits_dp_shard2_tp2": lambda: logits_check("logits_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
     "reshard_dp2_tp2_to_dp4": lambda: reshard_check("reshard_dp2_tp2_to_dp4", {"dp_shard": 2, "tp": 2}, {"dp_shard": 4}),
     "reshard_pp2_dp2_to_dp2_tp2": lambda: reshard_check(
         "reshard_pp2_dp2_to_dp2_tp2", {"pp": 2, "dp_shard": 2}, {"dp_shard": 2, "tp": 2}

@@ -81,3 +81,10 @@ def test_muon_on_sharded_params_matches_single_process(parity_results):
     assert "error" not in r, r["error"]
     assert r["loss_diff"] <= 1e-5, (r["losses"], r["ref_losses"])
     assert r["param_diff"] <= 1e-4
+
+
+def test_logits_under_tensor_parallelism_are_whole(parity_results):
+    # generation's path: the vocab-split head is gathered (the training loss never gathers it)
+    r = parity_results["logits_dp_shard2_tp2"]
+    assert "error" not in r, r["error"]
+    assert r["shape_ok"] and r["diff"] <= 1e-5
