@@ -9,7 +9,7 @@ scaling, attention FLOPs, and the non-layer HF names.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +31,6 @@ __all__ = [
     "attention_params",
     "check_positive_int",
     "dense_forward",
-    "dense_layers",
     "dense_stage",
     "head_params",
     "logits_of",
@@ -44,6 +43,7 @@ __all__ = [
     "positions_for",
     "residual_std",
     "rope",
+    "run_stage",
     "stage_positions",
 ]
 
@@ -159,21 +159,15 @@ def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, famil
 
 
 def rope(
-    cfg: AttentionConfig,
-    tokens: torch.Tensor,
-    positions: torch.Tensor | None,
-    *,
-    family: str,
-    scaling: nn.RopeScaling | None = None,
+    cfg: AttentionConfig, positions: torch.Tensor, *, scaling: nn.RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
-    """RoPE angles for ``positions_for(tokens, positions)``."""
-    positions = positions_for(tokens, positions, family=family)
-    return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=tokens.device))
+    """RoPE angles at ``positions`` (T,) | (B, T) (e.g. :func:`stage_positions`)."""
+    return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=positions.device))
 
 
 def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
     """Weight of the output projection: the embedding table when tied (under tensor parallelism, this
-    rank's vocab slice: the loss is vocab-parallel, ``logits()`` gathers)."""
+    rank's vocab slice: the loss is vocab-parallel, :func:`logits_of` gathers)."""
     return params["embed"] if cfg.tie_embeddings else params["head"]
 
 
@@ -222,21 +216,32 @@ def stage_positions(
     return positions_for(x, positions, family=family) if first else _hidden_positions(x, positions)
 
 
-def dense_layers(
-    cfg: Any,  # an AttentionConfig
-    layers: Mapping[str, Any],  # params["layers"]: {"0": {...}, ...}
-    h: torch.Tensor,  # (B, T, D) residual stream
-    cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
-    sin: torch.Tensor,
-    indices: range,
-) -> torch.Tensor:  # (B, T, D)
-    """Pre-norm blocks ``indices`` (in order): ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``."""
-    # explicit order: dict/optree order would put "10" before "2"
-    for i in indices:
-        p = layers[str(i)]
-        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin)
-        h = h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"])
-    return h
+# (layer index, its params, residual stream (B, T, D)) -> (residual stream, its router stats or None)
+Block = Callable[[int, Mapping[str, Any], torch.Tensor], tuple[torch.Tensor, Any]]
+
+
+def run_stage(
+    cfg: Any,  # a config with norm_eps
+    params: Mapping[str, Any],  # this stage's subtree: layers.{i} of ``layers``, embed if first, norm if last
+    x: torch.Tensor,  # (B, T) int tokens if first, else (B, T, D) hidden from the previous stage
+    block: Block,
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+) -> StageOut:  # h (B, T, D), {layer: router stats}
+    """Embed (``first``), ``block`` over ``layers`` in order, final norm (``last``): the layer loop every
+    family's ``stage`` (and so its ``apply``) runs. The last stage's output is whole on every tp rank
+    (ready for the head), the others' are in the residual-stream layout (split along the sequence under
+    sequence parallelism)."""
+    h = par.embed(x, params["embed"]) if first else x
+    stats = {}
+    for i in layers:  # explicit order: dict/optree order would put "10" before "2"
+        h, s = block(i, params["layers"][str(i)], h)
+        if s is not None:
+            stats[i] = s
+    h = par.column_input(norm(cfg, h, params["norm"])) if last else h
+    return StageOut(h, stats)
 
 
 def dense_stage(
@@ -251,20 +256,16 @@ def dense_stage(
     family: str,
     scaling: nn.RopeScaling | None = None,
 ) -> StageOut:  # h (B, T, D): residual stream, or final-normed hidden if last; stats {}
-    """One pipeline stage of the pre-norm decoder: embed (``first``), blocks ``layers``, final norm (``last``).
+    """One pipeline stage of the pre-norm decoder (:func:`run_stage`): ``h += attn(rms_norm(h))``,
+    ``h += swiglu(rms_norm(h))``. Stages over consecutive ranges of ``range(n_layers)`` compose to
+    ``apply(..., logits=False)`` exactly."""
+    cos, sin = rope(cfg, stage_positions(x, positions, first=first, family=family), scaling=scaling)
 
-    Stages over consecutive ranges of ``range(n_layers)`` compose to
-    ``apply(..., logits=False)`` exactly; the last stage's output is whole on
-    every tp rank (ready for the head), the others' are in the residual-stream
-    layout (split along the sequence under sequence parallelism).
-    """
-    positions = stage_positions(x, positions, first=first, family=family)
-    inv_freq = nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=x.device)
-    cos, sin = nn.rope_cos_sin(positions, inv_freq)
-    h = par.embed(x, params["embed"]) if first else x
-    h = dense_layers(cfg, params["layers"], h, cos, sin, layers)
-    h = par.column_input(norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
-    return StageOut(h, {})  # dense: no router statistics
+    def block(_i: int, p: Mapping[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, None]:
+        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin)
+        return h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"]), None
+
+    return run_stage(cfg, params, x, block, layers=layers, first=first, last=last)
 
 
 def dense_forward(

@@ -335,20 +335,17 @@ def _stage(
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
     cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3"), mla_cfg)
-    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
-    h = par.embed(x, params["embed"]) if first else x
-    stats = {}
-    for i in layers:  # explicit order: dict/optree order would put "10" before "2"
-        p = params["layers"][str(i)]
+
+    # the parallel seams (decoder.norm/mlp, expert.moe, _attention) are the single-process ops without a layout
+    def block(i: int, p: Mapping[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, Any]:
         h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg)
         x = decoder.norm(cfg, h, p["mlp_norm"])
         if i < cfg.n_dense_layers:
-            h = h + decoder.mlp(x, p["mlp"])
-        else:
-            y, stats[i] = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
-            h = h + y
-    h = par.column_input(decoder.norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
-    return base.StageOut(h, stats)
+            return h + decoder.mlp(x, p["mlp"]), None
+        y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
+        return h + y, stats
+
+    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last)
 
 
 def _apply_with_aux(

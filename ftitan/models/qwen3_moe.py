@@ -59,7 +59,6 @@ from ftitan.models import base, decoder, hf, qwen3
 from ftitan.models.base import Model
 from ftitan.nn.attention import AttentionImpl
 from ftitan.nn.moe import MoEConfig
-from ftitan.parallel import activations as par
 from ftitan.parallel import expert
 
 __all__ = [
@@ -233,22 +232,18 @@ def _stage(
 ) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
-    positions = decoder.stage_positions(x, positions, first=first, family="qwen3_moe")
-    cos, sin = nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, device=x.device))
-    # the parallel seams (par.*, decoder.norm/mlp, expert.*) are exactly the single-process ops without a layout
-    h = par.embed(x, params["embed"]) if first else x
-    stats = {}
-    for i in layers:  # explicit order: dict/optree order would put "10" before "2"
-        p = params["layers"][str(i)]
+    cos, sin = decoder.rope(cfg, decoder.stage_positions(x, positions, first=first, family="qwen3_moe"))
+
+    # the parallel seams (decoder.attention/norm/mlp, expert.moe) are the single-process ops without a layout
+    def block(_i: int, p: Mapping[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, Any]:
         h = h + decoder.attention(cfg, p["attn"], decoder.norm(cfg, h, p["attn_norm"]), cos, sin)
         x = decoder.norm(cfg, h, p["mlp_norm"])
         if "moe" in p:
-            y, stats[i] = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
-        else:
-            y = decoder.mlp(x, p["mlp"])
-        h = h + y
-    h = par.column_input(decoder.norm(cfg, h, params["norm"])) if last else h  # last: whole on every tp rank
-    return base.StageOut(h, stats)
+            y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
+            return h + y, stats
+        return h + decoder.mlp(x, p["mlp"]), None
+
+    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last)
 
 
 def _apply_with_aux(
@@ -263,7 +258,6 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     if cache is not None:
         raise NotImplementedError("qwen3_moe.apply: KV cache is not implemented yet; pass cache=None")
-    decoder.positions_for(tokens, positions, family="qwen3_moe")  # checks tokens is (B, T)
     h, stats = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
                       positions=positions)  # fmt: skip
     out = decoder.logits_of(h, decoder.output_head(cfg, params)) if logits else h
