@@ -123,7 +123,9 @@ class Model(NamedTuple):
       logits). ``positions`` (default ``arange(T)``) place the tokens for
       RoPE; ``cache`` is the KV-cache seam (``None`` until inference lands).
     - ``head(params) -> (V, D)``: weight of the output projection (the
-      embedding table when tied).
+      embedding table when tied); inside a tensor-parallel step, this
+      rank's ``(V / tp, D)`` vocab slice (``ftitan.train.losses.cross_entropy``
+      is vocab-parallel there).
     - ``param_axes``: tree of logical-axis tuples, one per param leaf.
     - ``flops_per_token(seq_len) -> float``: training (forward + backward)
       FLOPs per token, see the family's docstring for the formula (MoE

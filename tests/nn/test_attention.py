@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ftitan import nn
+from ftitan.nn.attention import causal_mask
 
 
 def reference(q, k, v, *, causal):
@@ -92,3 +93,20 @@ def test_errors_name_the_problem():
         nn.attention(q, k, v, impl="flash")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="more queries"):
         nn.attention(*qkv(t=5, s=3))
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "math"])
+def test_explicit_mask_matches_causal_and_permuted_positions(impl):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 4, 8), torch.randn(2, 6, 2, 8), torch.randn(2, 6, 2, 8)
+    mask = causal_mask(6, 6)
+    causal = nn.attention(q, k, v, impl=impl, causal=True)
+    torch.testing.assert_close(nn.attention(q, k, v, impl=impl, causal=False, mask=mask), causal)
+    # keys in another order (context parallelism's head-tail chunks): masking by true positions is the same
+    order = torch.tensor([0, 5, 1, 4, 2, 3])
+    pos = torch.arange(6)
+    got = nn.attention(q, k[:, order], v[:, order], impl=impl, causal=False,
+                                 mask=pos[order][None, :] <= pos[:, None])  # fmt: skip
+    torch.testing.assert_close(got, causal)
+    with pytest.raises(ValueError, match="comes with causal=False"):
+        nn.attention(q, k, v, impl=impl, causal=True, mask=mask)
