@@ -12,6 +12,7 @@ import attrs
 import tyro
 
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
+from ftitan.parallel.dims import ParallelDims
 
 __all__ = ["DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]
 
@@ -66,9 +67,14 @@ class ParallelConfig:
     pp_microbatches: int = 0  # micro-batches per step under pp (0: 2 * pp)
     backend: str = "gloo"  # torch.distributed backend: "gloo" (CPU) or "nccl" (CUDA)
 
+    def dims(self) -> ParallelDims:
+        """The degrees as ``ftitan.parallel.ParallelDims`` (which checks each is an int >= 1)."""
+        return ParallelDims(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, ep=self.ep, cp=self.cp,
+                            tp=self.tp, pp=self.pp)  # fmt: skip
+
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.ep * self.cp * self.tp * self.pp
+        return self.dims().world_size
 
 
 @attrs.frozen(kw_only=True)

@@ -61,19 +61,10 @@ def _check_optim(cfg: TrainConfig) -> None:
 
 def _check_parallel(cfg: TrainConfig) -> None:
     p = cfg.parallel
-    for name in ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp"):
-        value = getattr(p, name)
-        if not isinstance(value, int) or value < 1:
-            raise _fail(f"--parallel.{name.replace('_', '-')}", value, "a parallel degree must be an int >= 1")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if p.world_size != world:
-        product = " * ".join(f"{n} {getattr(p, n)}" for n in ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp")
-                             if getattr(p, n) > 1) or "all 1"  # fmt: skip
-        raise ValueError(
-            f"--parallel.*: degrees {product} = {p.world_size}, but {world} processes were launched; make the "
-            f"product equal {world} (e.g. --parallel.dp-shard {world}) or launch torchrun --nproc-per-node "
-            f"{p.world_size}"
-        )
+    try:
+        p.dims().check(int(os.environ.get("WORLD_SIZE", "1")))  # each degree an int >= 1, product = world size
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("--") else f"--{e}") from None  # name the flag
     if p.pp_schedule not in PP_SCHEDULES:
         raise _fail("--parallel.pp-schedule", p.pp_schedule, f"expected one of {PP_SCHEDULES}")
     if p.pp_microbatches < 0:

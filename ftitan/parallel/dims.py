@@ -62,13 +62,13 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.ep
 
     def check(self, world_size: int) -> None:
-        """Raise naming the product when the degrees do not multiply to ``world_size``."""
+        """Raise naming the product when the degrees do not multiply to ``world_size`` (the processes launched)."""
         if self.world_size != world_size:
             product = " * ".join(f"{a} {getattr(self, a)}" for a in AXES if getattr(self, a) > 1) or "all 1"
             raise ValueError(
-                f"parallel degrees {product} = {self.world_size}, but the world size is {world_size}: "
-                f"make the product of --parallel.{{dp_replicate,dp_shard,ep,cp,tp,pp}} equal {world_size} "
-                f"(or launch {self.world_size} processes: torchrun --nproc-per-node {self.world_size})"
+                f"--parallel.*: degrees {product} = {self.world_size}, but {world_size} processes were launched "
+                f"(the world size); make the product equal {world_size} (e.g. --parallel.dp-shard {world_size}) "
+                f"or launch torchrun --nproc-per-node {self.world_size}"
             )
 
 

@@ -37,10 +37,10 @@ def _rules(cfg: ParallelConfig) -> parallel.Rules:
 class Runtime:
     """A single process (``layout is None``) or this rank of a parallel world."""
 
-    def __init__(self, layout: parallel.Layout | None, cfg: ParallelConfig) -> None:
+    def __init__(self, layout: parallel.Layout | None, cfg: ParallelConfig, *, owns_group: bool = False) -> None:
         self.layout, self.cfg = layout, cfg
         self.is_main = layout is None or dist.get_rank() == 0
-        self._owns_group = False
+        self._owns_group = owns_group  # close() leaves the process group only if setup() joined it
 
     @property
     def pp(self) -> int:
@@ -147,14 +147,11 @@ def setup(cfg: ParallelConfig) -> Runtime:
     Fails before any work when the degrees' product differs from the world size.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = parallel.ParallelDims(dp_replicate=cfg.dp_replicate, dp_shard=cfg.dp_shard, ep=cfg.ep, cp=cfg.cp,
-                                 tp=cfg.tp, pp=cfg.pp)  # fmt: skip
+    dims = cfg.dims()
     dims.check(world)
     if world == 1:
         return Runtime(None, cfg)
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group(cfg.backend)
-    rt = Runtime(parallel.Layout(parallel.mesh(dims), _rules(cfg)), cfg)
-    rt._owns_group = owns
-    return rt
+    return Runtime(parallel.Layout(parallel.mesh(dims), _rules(cfg)), cfg, owns_group=owns)

@@ -147,3 +147,8 @@ def test_fuzz_validation_only_raises_value_errors_naming_a_flag(changes):
         config.validate(_with(_base(), **changes))
     except ValueError as e:
         assert str(e).startswith("--"), str(e)
+
+
+def test_a_degree_below_one_names_its_flag():
+    with pytest.raises(ValueError, match=r"^--parallel\.tp=0: must be an int >= 1"):
+        config.validate(_with(_base(), parallel__tp=0))

@@ -21,7 +21,7 @@ SIZES = {"dp_shard": 2, "tp": 2}
 def test_degrees_must_multiply_to_world_size_and_the_error_names_the_product():
     dims = parallel.ParallelDims(dp_shard=2, tp=2)
     dims.check(4)
-    with pytest.raises(ValueError, match=r"dp_shard 2 \* tp 2 = 4, but the world size is 8") as e:
+    with pytest.raises(ValueError, match=r"dp_shard 2 \* tp 2 = 4, but 8 processes were launched") as e:
         dims.check(8)
     assert "--nproc-per-node 4" in str(e.value)
     with pytest.raises(ValueError, match="parallel.tp=0"):
