@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import attrs
 import torch
-import torch.distributed as dist
 
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import deepseek_v3, qwen3_moe
-from ftitan.parallel import collectives as C
+from _parity import max_diff, parallel_grads  # torchrun puts this folder on sys.path
 
 AUX_COEF = 0.1  # large enough that a mis-scaled balancing gradient would show far above 1e-5
 
@@ -59,10 +58,6 @@ def batch_for(b: int, t: int, vocab: int, seed: int = 7) -> dict[str, torch.Tens
     return {"inputs": tok[:, :-1], "targets": targets}
 
 
-def max_diff(a, b) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b), strict=True))
-
-
 def _moe_placements(sharded) -> dict[str, dict]:
     """``{path: {"placement": "(ep, -, dp_shard)", "local": [2, 32, 32]}}`` of the MoE leaves as stored."""
     out = {}
@@ -82,17 +77,7 @@ def grads_check(name: str, family: str, degrees: dict[str, int], *, bias: str = 
     no_aux = module.model(make_cfg(**{**cfg, "aux_loss_coef": 0.0}))
     g0, _ = ft.train.value_and_grad(ft.train.next_token_loss(no_aux, chunk_size=24))(params, batch)
 
-    layout = parallel.Layout(parallel.mesh(**degrees), rules)
-    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
-    shardings = ft.tree.map(parallel.sharding_of, sharded)
-    local_loss = parallel.make_parallel_loss(loss_fn, layout, shardings)
-    with parallel.use(layout), C.count_bytes() as sent:
-        g, (l, aux) = ft.train.value_and_grad(local_loss, impl="autograd")(
-            parallel.to_local(sharded), parallel.shard_batch(batch, layout)
-        )
-    total = l.detach().clone()
-    dist.all_reduce(total)
-    full = parallel.unshard(parallel.from_local(g, sharded))
+    total, full, aux, sent, sharded = parallel_grads(model, params, loss_fn, batch, degrees, rules)
     return {
         "check": name,
         "loss_diff": abs(float(total) - float(ref_l)),

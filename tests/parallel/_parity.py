@@ -48,6 +48,20 @@ def max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b), strict=True))
 
 
+def parallel_grads(model, params, loss_fn, batch, degrees: dict[str, int], rules=None):
+    """One parallel gradient: ``(loss summed over ranks, full gradients, this rank's aux, bytes sent, sharded)``."""
+    layout = parallel.Layout(parallel.mesh(**degrees), rules)
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    local_loss = parallel.make_parallel_loss(loss_fn, layout, ft.tree.map(parallel.sharding_of, sharded))
+    with parallel.use(layout), parallel.collectives.count_bytes() as sent:
+        g, (l, aux) = ft.train.value_and_grad(local_loss, impl="autograd")(
+            parallel.to_local(sharded), parallel.shard_batch(batch, layout)
+        )
+    total = l.detach().clone()
+    dist.all_reduce(total)
+    return total, parallel.unshard(parallel.from_local(g, sharded)), aux, sent, sharded
+
+
 def grads_check(
     name: str, family: str, degrees: dict[str, int], rules=None, impl: str = "sdpa", batch: int = 4
 ) -> dict:
@@ -57,18 +71,7 @@ def grads_check(
     batch = batch_for(batch, 16, model.config.vocab_size)
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
     ref_g, (ref_l, _) = ft.train.value_and_grad(loss_fn)(params, batch)
-
-    layout = parallel.Layout(parallel.mesh(**degrees), rules)
-    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
-    shardings = ft.tree.map(parallel.sharding_of, sharded)
-    local_loss = parallel.make_parallel_loss(loss_fn, layout, shardings)
-    with parallel.use(layout):
-        g, (l, _) = ft.train.value_and_grad(local_loss, impl="autograd")(
-            parallel.to_local(sharded), parallel.shard_batch(batch, layout)
-        )
-    total = l.detach().clone()
-    dist.all_reduce(total)
-    full = parallel.unshard(parallel.from_local(g, sharded))
+    total, full, _, _, _ = parallel_grads(model, params, loss_fn, batch, degrees, rules)
     return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": max_diff(full, ref_g),
             "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
 
