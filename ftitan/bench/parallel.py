@@ -174,6 +174,8 @@ def _worker_layout(cfg: dict[str, Any], degrees: dict[str, int], warmup: int, ro
 def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
+    from ftitan import parallel
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     for text in spec["layouts"]:
@@ -183,7 +185,7 @@ def _worker(spec: dict[str, Any]) -> None:
             result = {"error": f"{type(e).__name__}: {e}"}
         if dist.get_rank() == 0:
             print("LAYOUT " + json.dumps({"layout": text, **result}), flush=True)
-    dist.destroy_process_group()
+    parallel.shutdown()
 
 
 def run(opts: Options) -> dict[str, Any]:

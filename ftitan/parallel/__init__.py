@@ -21,7 +21,7 @@ See docs/parallelism.md.
 
 from ftitan.parallel import activations, collectives, expert
 from ftitan.parallel.activations import cp_positions, shard_as
-from ftitan.parallel.dims import AXES, DATA_AXES, ParallelDims, mesh
+from ftitan.parallel.dims import AXES, DATA_AXES, ParallelDims, mesh, shutdown
 from ftitan.parallel.layout import Layout, current, use
 from ftitan.parallel.pipeline import pipeline_grad, schedule_actions, stage_layers, stage_params
 from ftitan.parallel.rules import Rules, Sharding, check_sharded, default_rules, dump, resolve, resolve_one
@@ -55,6 +55,7 @@ __all__ = [
     "shard_as",
     "shard_batch",
     "shard_params",
+    "shutdown",
     "sharding_of",
     "stage_layers",
     "stage_params",

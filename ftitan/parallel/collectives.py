@@ -75,7 +75,7 @@ def _ag(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:
     n = group.size()
     record("all_gather", (n - 1) * _nbytes(x))
     with torch.no_grad():
-        return fc.wait_tensor(fc.all_gather_tensor(x.contiguous(), dim, group))
+        return fc.wait_tensor(fc.all_gather_single(x.contiguous(), dim, group))
 
 
 def _rs(x: torch.Tensor, dim: int, group: DeviceMesh) -> torch.Tensor:

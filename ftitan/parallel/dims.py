@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["AXES", "DATA_AXES", "ParallelDims", "mesh"]
+__all__ = ["AXES", "DATA_AXES", "ParallelDims", "mesh", "shutdown"]
 
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 # axes whose ranks see different tokens: a replicated param's gradient is summed over them
@@ -91,3 +91,11 @@ def mesh(dims: ParallelDims | None = None, /, *, device_type: str | None = None,
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+
+
+def shutdown() -> None:
+    """Leave the process group: a barrier first, so no rank tears down gloo while another still talks
+    to it (a rank exiting early aborted with "terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

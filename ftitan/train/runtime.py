@@ -129,8 +129,7 @@ class Runtime:
     def close(self) -> None:
         """Leave the process group this runtime joined (the world's ranks all call it)."""
         if self.layout is not None and self._owns_group:
-            dist.barrier()
-            dist.destroy_process_group()
+            parallel.shutdown()
 
 
 def _ce_only(loss_fn: Any) -> Any:

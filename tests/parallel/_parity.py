@@ -235,7 +235,7 @@ def main() -> None:
                 raise
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    parallel.shutdown()
 
 
 if __name__ == "__main__":
