@@ -17,7 +17,24 @@ from ftitan import tree
 if TYPE_CHECKING:
     from ftitan.nn.moe import MoEStats
 
-__all__ = ["ApplyAuxFn", "ApplyFn", "InitFn", "Model", "StageFn", "StageOut", "drop_aux"]
+__all__ = ["ApplyAuxFn", "ApplyFn", "AttentionCache", "InitFn", "Model", "StageFn", "StageOut", "drop_aux"]
+
+
+class AttentionCache(Protocol):
+    """What ``apply(..., cache=...)`` attends through: each layer's attention calls
+    ``cache.attend(layer, q, k, v, impl=, causal=, scale=)`` with its RoPE'd queries ``(B, T, H, Dk)``,
+    keys ``(B, T, KV, Dk)`` and values ``(B, T, KV, Dv)``, and gets the attention output
+    ``(B, T, H, Dv)`` and the cache with the layer's keys/values written; ``apply`` returns the cache
+    after the last layer.
+
+    ``ftitan.infer.KVCache`` is the native one (a tree of static-shape tensors);
+    ``ftitan.vllm`` passes one whose ``attend`` is vLLM's paged ``Attention``. The model never
+    looks inside: positions come from the caller (``positions=``).
+    """
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, AttentionCache]: ...
 
 
 class InitFn(Protocol):
@@ -68,10 +85,13 @@ class StageOut(NamedTuple):
       the stage's share of the balancing loss and the router-load metrics;
       ``apply_with_aux`` over one stage of every layer passes
       ``list(stats.values())`` to ``ftitan.parallel.expert.moe_aux``.
+    - ``cache``: the :class:`AttentionCache` the stage's layers wrote to
+      (``None`` without one).
     """
 
     h: torch.Tensor
     stats: Mapping[int, MoEStats]
+    cache: Any = None
 
 
 class StageFn(Protocol):
@@ -97,7 +117,8 @@ class StageFn(Protocol):
         first: bool,
         last: bool,
         positions: torch.Tensor | None = ...,  # (T,) | (B, T) int; default arange(T)
-    ) -> StageOut: ...  # h (B, T, D), stats
+        cache: AttentionCache | None = ...,
+    ) -> StageOut: ...  # h (B, T, D), stats, cache
 
 
 def drop_aux(apply_with_aux: ApplyAuxFn) -> ApplyFn:
@@ -121,7 +142,10 @@ class Model(NamedTuple):
       ``logits=False`` the final-normed hidden states ``(B, T, D)`` (to feed
       a chunked cross-entropy against ``head(params)`` without building all
       logits). ``positions`` (default ``arange(T)``) place the tokens for
-      RoPE; ``cache`` is the KV-cache seam (``None`` until inference lands).
+      RoPE; with a ``cache`` (:class:`AttentionCache`: ``ftitan.infer``'s
+      KV cache, vLLM's paged attention) every layer attends through it
+      instead of causally over ``tokens`` alone, and the returned cache
+      holds the new keys/values.
     - ``head(params) -> (V, D)``: weight of the output projection (the
       embedding table when tied); inside a tensor-parallel step, this
       rank's ``(V / tp, D)`` vocab slice (``ftitan.train.losses.cross_entropy``

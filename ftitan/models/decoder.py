@@ -17,7 +17,7 @@ import torch
 from ftitan import nn
 from ftitan.models import hf
 from ftitan.models.base import StageOut
-from ftitan.nn.attention import AttentionImpl
+from ftitan.nn.attention import Attend, AttentionImpl
 from ftitan.parallel import activations as par
 from ftitan.parallel.layout import current
 
@@ -37,6 +37,7 @@ __all__ = [
     "hf_common_to_hf",
     "hf_ignored",
     "hf_outer_weights",
+    "layer_attention",
     "mlp",
     "norm",
     "output_head",
@@ -121,9 +122,12 @@ def attention(
     x: torch.Tensor,  # (B, T, D) normed
     cos: torch.Tensor,  # (T, Dh) | (B, T, Dh)
     sin: torch.Tensor,
+    *,
+    attend: Attend = par.attention,
 ) -> torch.Tensor:  # (B, T, D)
     """GQA attention: (QK-norm: ``rms_norm`` over each head of q and k, when ``p`` has
-    ``q_norm``/``k_norm``), then RoPE, then causal attention."""
+    ``q_norm``/``k_norm``), then RoPE, then causal attention through ``attend`` (a KV cache's, see
+    :func:`run_stage`; default the context-parallel seam, plain ``nn.attention`` without a layout)."""
     x = par.column_input(x)  # tensor parallel: the block's input, whole on every tp rank
     b, t, _ = x.shape
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
@@ -134,8 +138,7 @@ def attention(
         q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps)
         k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps)
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    # KV-cache seam: a cache would append (k, v) here and attend over all cached keys
-    o = par.attention(q, k, v, impl=cfg.attn_impl, causal=True)
+    o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
     return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"]))
 
 
@@ -216,8 +219,23 @@ def stage_positions(
     return positions_for(x, positions, family=family) if first else _hidden_positions(x, positions)
 
 
-# (layer index, its params, residual stream (B, T, D)) -> (residual stream, its router stats or None)
-Block = Callable[[int, Mapping[str, Any], torch.Tensor], tuple[torch.Tensor, Any]]
+# (layer index, its params, residual stream (B, T, D), its attention op) -> (residual stream, router stats or None)
+Block = Callable[[int, Mapping[str, Any], torch.Tensor, Attend], tuple[torch.Tensor, Any]]
+
+
+def layer_attention(cache: Any, layer: int) -> tuple[Attend, Callable[[], Any]]:
+    """Layer ``layer``'s attention op over ``cache`` (``base.AttentionCache``), and a getter of the
+    cache after that layer wrote its keys/values; without a cache, causal attention over the
+    block's own tokens (``parallel.activations.attention``)."""
+    if cache is None:
+        return par.attention, lambda: None
+    state = [cache]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        o, state[0] = state[0].attend(layer, q, k, v, **kwargs)
+        return o
+
+    return attend, lambda: state[0]
 
 
 def run_stage(
@@ -229,19 +247,23 @@ def run_stage(
     layers: range,
     first: bool,
     last: bool,
-) -> StageOut:  # h (B, T, D), {layer: router stats}
+    cache: Any = None,
+) -> StageOut:  # h (B, T, D), {layer: router stats}, cache
     """Embed (``first``), ``block`` over ``layers`` in order, final norm (``last``): the layer loop every
     family's ``stage`` (and so its ``apply``) runs. The last stage's output is whole on every tp rank
     (ready for the head), the others' are in the residual-stream layout (split along the sequence under
-    sequence parallelism)."""
+    sequence parallelism). With a ``cache`` (``base.AttentionCache``) each layer attends through it, and
+    the cache every layer wrote to is returned."""
     h = par.embed(x, params["embed"]) if first else x
     stats = {}
     for i in layers:  # explicit order: dict/optree order would put "10" before "2"
-        h, s = block(i, params["layers"][str(i)], h)
+        attend, written = layer_attention(cache, i)
+        h, s = block(i, params["layers"][str(i)], h, attend)
+        cache = written() if cache is not None else None
         if s is not None:
             stats[i] = s
     h = par.column_input(norm(cfg, h, params["norm"])) if last else h
-    return StageOut(h, stats)
+    return StageOut(h, stats, cache)
 
 
 def dense_stage(
@@ -253,19 +275,20 @@ def dense_stage(
     first: bool,
     last: bool,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
+    cache: Any = None,
     family: str,
     scaling: nn.RopeScaling | None = None,
-) -> StageOut:  # h (B, T, D): residual stream, or final-normed hidden if last; stats {}
+) -> StageOut:  # h (B, T, D): residual stream, or final-normed hidden if last; stats {}; cache
     """One pipeline stage of the pre-norm decoder (:func:`run_stage`): ``h += attn(rms_norm(h))``,
     ``h += swiglu(rms_norm(h))``. Stages over consecutive ranges of ``range(n_layers)`` compose to
     ``apply(..., logits=False)`` exactly."""
     cos, sin = rope(cfg, stage_positions(x, positions, first=first, family=family), scaling=scaling)
 
-    def block(_i: int, p: Mapping[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, None]:
-        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin)
+    def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, None]:
+        h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin, attend=attend)
         return h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"]), None
 
-    return run_stage(cfg, params, x, block, layers=layers, first=first, last=last)
+    return run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache)
 
 
 def dense_forward(
@@ -274,16 +297,17 @@ def dense_forward(
     tokens: torch.Tensor,  # (B, T) int
     *,
     positions: torch.Tensor | None,  # (T,) | (B, T) int; default arange(T)
+    cache: Any = None,
     logits: bool,
     family: str,
     scaling: nn.RopeScaling | None = None,
-) -> torch.Tensor:  # (B, T, V) logits | (B, T, D) final-normed hidden
+) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) final-normed hidden; cache
     """The pre-norm decoder: ``h += attn(rms_norm(h))``, ``h += swiglu(rms_norm(h))``, final norm, head
-    (one :func:`dense_stage` over all layers)."""
+    (one :func:`dense_stage` over all layers); attention through ``cache`` when given."""
     every = range(cfg.n_layers)
-    h, _ = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions, family=family,
-                       scaling=scaling)  # fmt: skip
-    return logits_of(h, output_head(cfg, params)) if logits else h
+    h, _, cache = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions,
+                              cache=cache, family=family, scaling=scaling)  # fmt: skip
+    return (logits_of(h, output_head(cfg, params)) if logits else h), cache
 
 
 # per-layer HF names of the Llama-style decoders (Llama, Qwen3, Qwen3-MoE's attention half)

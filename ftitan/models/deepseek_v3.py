@@ -71,7 +71,7 @@ from ftitan.models import base, decoder, hf
 from ftitan.models.base import Model, drop_aux
 from ftitan.nn import mla as mla_
 from ftitan.nn import moe as moe_
-from ftitan.nn.attention import AttentionImpl
+from ftitan.nn.attention import Attend, AttentionImpl
 from ftitan.nn.rope import YarnRopeScaling
 from ftitan.parallel import activations as par
 from ftitan.parallel import expert
@@ -331,21 +331,22 @@ def _stage(
     first: bool,
     last: bool,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
-) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}
+    cache: Any = None,
+) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}, cache
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
     cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3"), mla_cfg)
 
     # the parallel seams (decoder.norm/mlp, expert.moe, _attention) are the single-process ops without a layout
-    def block(i: int, p: Mapping[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg)
+    def block(i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
+        h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg, attend=attend)
         x = decoder.norm(cfg, h, p["mlp_norm"])
         if i < cfg.n_dense_layers:
             return h + decoder.mlp(x, p["mlp"]), None
         y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
         return h + y, stats
 
-    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last)
+    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache)
 
 
 def _apply_with_aux(
@@ -359,10 +360,8 @@ def _apply_with_aux(
     cache: Any = None,
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
-    if cache is not None:
-        raise NotImplementedError("deepseek_v3.apply: KV cache is not implemented yet; pass cache=None")
-    h, stats = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
-                      positions=positions)  # fmt: skip
+    h, stats, cache = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True,
+                             last=True, positions=positions, cache=cache)  # fmt: skip
     out = decoder.logits_of(h, _head(params)) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
@@ -378,12 +377,14 @@ def _attention(
     cos: torch.Tensor,
     sin: torch.Tensor,
     cfg: mla_.MLAConfig,
+    *,
+    attend: Attend = par.attention,
 ) -> torch.Tensor:  # (B, T_local, D)
     """MLA under the current layout: column-parallel in (heads over tp), row-parallel out (``wo``),
-    context-parallel attention; exactly ``nn.mla.mla`` without a layout."""
+    context-parallel attention (or a KV cache's ``attend``); exactly ``nn.mla.mla`` without a layout."""
     x = par.column_input(x)
     p = {k: par.tp_shared(p[k], "heads") if k in _LATENT else p[k] for k in p}
-    return par.row_output(mla_.mla(x, p, cos, sin, cfg, attend=par.attention))
+    return par.row_output(mla_.mla(x, p, cos, sin, cfg, attend=attend))
 
 
 def _head(params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)

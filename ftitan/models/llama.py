@@ -205,13 +205,9 @@ def _apply(
     cache: Any = None,
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
-    if cache is not None:
-        raise NotImplementedError("llama.apply: KV cache is not implemented yet; pass cache=None")
-    # KV-cache seam: decoder.attention is where a cache would append (k, v)
-    out = decoder.dense_forward(
-        cfg, params, tokens, positions=positions, logits=logits, family="llama", scaling=cfg.rope_scaling
+    return decoder.dense_forward(
+        cfg, params, tokens, positions=positions, cache=cache, logits=logits, family="llama", scaling=cfg.rope_scaling
     )
-    return out, cache
 
 
 def model(cfg: Config) -> Model:

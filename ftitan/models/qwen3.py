@@ -222,9 +222,7 @@ def _apply(
     cache: Any = None,
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
-    if cache is not None:
-        raise NotImplementedError("qwen3.apply: KV cache is not implemented yet; pass cache=None")
-    return dense_forward(cfg, params, tokens, positions=positions, logits=logits, family="qwen3"), cache
+    return dense_forward(cfg, params, tokens, positions=positions, cache=cache, logits=logits, family="qwen3")
 
 
 def model(cfg: Config) -> Model:

@@ -57,7 +57,7 @@ import torch
 from ftitan import nn, tree
 from ftitan.models import base, decoder, hf, qwen3
 from ftitan.models.base import Model
-from ftitan.nn.attention import AttentionImpl
+from ftitan.nn.attention import Attend, AttentionImpl
 from ftitan.nn.moe import MoEConfig
 from ftitan.parallel import expert
 
@@ -229,21 +229,22 @@ def _stage(
     first: bool,
     last: bool,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
-) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}
+    cache: Any = None,
+) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}, cache
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
     cos, sin = decoder.rope(cfg, decoder.stage_positions(x, positions, first=first, family="qwen3_moe"))
 
     # the parallel seams (decoder.attention/norm/mlp, expert.moe) are the single-process ops without a layout
-    def block(_i: int, p: Mapping[str, Any], h: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        h = h + decoder.attention(cfg, p["attn"], decoder.norm(cfg, h, p["attn_norm"]), cos, sin)
+    def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
+        h = h + decoder.attention(cfg, p["attn"], decoder.norm(cfg, h, p["attn_norm"]), cos, sin, attend=attend)
         x = decoder.norm(cfg, h, p["mlp_norm"])
         if "moe" in p:
             y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
             return h + y, stats
         return h + decoder.mlp(x, p["mlp"]), None
 
-    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last)
+    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache)
 
 
 def _apply_with_aux(
@@ -256,10 +257,8 @@ def _apply_with_aux(
     cache: Any = None,
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
-    if cache is not None:
-        raise NotImplementedError("qwen3_moe.apply: KV cache is not implemented yet; pass cache=None")
-    h, stats = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
-                      positions=positions)  # fmt: skip
+    h, stats, cache = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
+                             positions=positions, cache=cache)  # fmt: skip
     out = decoder.logits_of(h, decoder.output_head(cfg, params)) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 

@@ -11,19 +11,28 @@ Two implementations that agree to float32 rounding:
 Queries may be fewer than keys (decoding against a KV cache): the causal mask
 is then aligned bottom-right, i.e. query ``t`` sits at key position
 ``t + S - T`` and sees keys ``0 .. t + S - T``.
+
+An explicit ``mask`` (``(T, S)``, or ``(B, T, S)`` per sequence) replaces
+the causal rule where positions are not ``arange``: context parallelism's
+head-tail chunks, or a KV cache of padded rows (``ftitan.infer``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionImpl", "attention", "causal_mask"]
+__all__ = ["Attend", "AttentionImpl", "attention", "causal_mask"]
 
 AttentionImpl = Literal["sdpa", "math"]
 IMPLS: tuple[str, ...] = ("sdpa", "math")
+
+# the attention op a model block calls: ``attend(q, k, v, *, impl, causal, scale) -> o`` with the
+# shapes of :func:`attention` (``attention`` itself, context-parallel attention, a KV cache's)
+Attend = Callable[..., torch.Tensor]
 
 
 def causal_mask(t: int, s: int, *, device: torch.device | str | None = None) -> torch.Tensor:  # (T, S) bool
@@ -40,7 +49,7 @@ def attention(
     impl: AttentionImpl = "sdpa",
     causal: bool = True,
     scale: float | None = None,
-    mask: torch.Tensor | None = None,  # (T, S) bool, True: may attend
+    mask: torch.Tensor | None = None,  # (T, S) | (B, T, S) bool, True: may attend
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
 
@@ -48,7 +57,8 @@ def attention(
     ``repeat_kv``. ``scale`` defaults to ``Dh ** -0.5``. Values may be
     narrower than keys (MLA: ``Dv < Dn + Dr``). ``mask`` (with
     ``causal=False``) gives which keys each query sees, for layouts where
-    positions are not in order (context parallelism's head-tail chunks).
+    positions are not in order (context parallelism's head-tail chunks), per
+    sequence when it is ``(B, T, S)``; every query must see at least one key.
     """
     b, t, h, dh = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -58,8 +68,11 @@ def attention(
         raise ValueError(f"attention: {h} query heads are not a multiple of {kv} key/value heads")
     if causal and t > s:
         raise ValueError(f"attention: causal with more queries ({t}) than keys ({s})")
-    if mask is not None and (causal or tuple(mask.shape) != (t, s)):
-        raise ValueError(f"attention: mask {tuple(mask.shape)} must be (T, S) = {(t, s)} and comes with causal=False")
+    if mask is not None and (causal or tuple(mask.shape) not in ((t, s), (b, t, s))):
+        raise ValueError(
+            f"attention: mask {tuple(mask.shape)} must be (T, S) = {(t, s)} or (B, T, S) = {(b, t, s)} "
+            f"and comes with causal=False"
+        )
     scale = dh**-0.5 if scale is None else scale
     if impl == "sdpa":
         return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
@@ -79,6 +92,8 @@ def _sdpa(
         mask, is_causal = causal_mask(t, s, device=q.device), False
     else:
         is_causal = causal
+    if mask is not None and mask.dim() == 3:  # per sequence: broadcast over heads
+        mask = mask[:, None]
     gqa = False
     if q.shape[2] != k.shape[2]:  # a branch (a guard) for the same reason
         gqa = True
@@ -105,8 +120,8 @@ def _math(
     scores = torch.einsum("btkgd,bskd->bkgts", qg, k).to(torch.float32) * scale
     if causal:
         mask = causal_mask(t, s, device=q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:  # (T, S) | (B, T, S) against scores (B, KV, G, T, S)
+        scores = scores.masked_fill(~(mask[:, None, None] if mask.dim() == 3 else mask), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(b, t, h, dv)

@@ -258,7 +258,7 @@ class _StageRun:
             if self.in_shape is None:
                 self.in_shape = self.p2p.recv_header(self.stage - 1)
             x = self.p2p.recv(*self.in_shape, self.stage - 1).requires_grad_()  # (b, T, D)
-        out, stats = self.model.stage(self.params, x, layers=self.layers, first=self.first, last=self.last)
+        out, stats, _ = self.model.stage(self.params, x, layers=self.layers, first=self.first, last=self.last)
         if self.moe is not None:
             before = None if self.first else self.p2p.recv((self.moe.packet_size,), torch.float32, self.stage - 1)
             packet = self.moe.forward(m, stats, before)

@@ -226,8 +226,6 @@ def test_apply_shapes_hidden_head_aux_and_impls():
     assert aux["loss"] == 0.0  # aux_loss_coef 0: the balancing bias does the balancing
     math_logits, _ = ds.model(attrs.evolve(TINY, attn_impl="math")).apply(params, tokens)
     torch.testing.assert_close(math_logits, logits, rtol=0, atol=1e-5)
-    with pytest.raises(NotImplementedError, match="KV cache"):
-        m.apply(params, tokens, cache={})
 
 
 def test_bias_steers_selection_and_gets_no_gradient():

@@ -176,7 +176,7 @@ def test_stages_compose_to_apply_exactly(make, pp):
     for s in range(pp):
         part = pipeline.stage_params(params, model, fake_layout(pp, s))
         layers = pipeline.stage_layers(model.config.n_layers, pp, s)
-        x, stats = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
+        x, stats, _ = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
         assert stats == {}  # dense stages have no router statistics
     torch.testing.assert_close(x, want, rtol=0, atol=0)  # the same ops in the same order: bitwise
 
@@ -204,7 +204,7 @@ def test_moe_stages_compose_to_apply_with_aux_exactly(family, pp):
     for s in range(pp):
         part = pipeline.stage_params(params, model, fake_layout(pp, s))
         layers = pipeline.stage_layers(model.config.n_layers, pp, s)
-        x, stats = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
+        x, stats, _ = model.stage(part, x, layers=layers, first=s == 0, last=s == pp - 1)
         assert set(stats) <= set(layers)  # keyed by global layer index, the stage's own MoE layers
         every.update(stats)
     torch.testing.assert_close(x, want, rtol=0, atol=0)
@@ -232,8 +232,8 @@ def test_stage_with_positions_matches_apply():
     tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(5, 13)
     want, _ = model.apply(params, tokens, positions=positions, logits=False)
-    h, _ = model.stage(params, tokens, layers=range(2), first=True, last=False, positions=positions)
-    h, _ = model.stage(params, h, layers=range(2, 4), first=False, last=True, positions=positions)
+    h, _, _ = model.stage(params, tokens, layers=range(2), first=True, last=False, positions=positions)
+    h, _, _ = model.stage(params, h, layers=range(2, 4), first=False, last=True, positions=positions)
     torch.testing.assert_close(h, want, rtol=0, atol=0)
 
 
