@@ -64,23 +64,23 @@ def train_main(argv: list[str]) -> int:
 
 def generate_main(argv: list[str]) -> int:
     from ftitan import random
-    from ftitan.infer import generate_tokens
+    from ftitan.infer import Sampling, generate
     from ftitan.train.trainer import load_run
 
     opts = tyro.cli(GenerateOptions, args=argv, prog="ftitan generate")
     try:
         _cfg, model, params, tok, step = load_run(opts.run)
-    except FileNotFoundError as e:
+        sampling = Sampling(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
+        prompt = tok.encode(opts.prompt)
+        # the n samples are one batch (KV cache, one decode step per token); sample i draws from fold_in(key, i)
+        outs = generate(model, params, [prompt] * opts.n, max_new_tokens=opts.max_new_tokens, sampling=sampling,
+                        key=random.key(opts.seed), eos_id=tok.eos_id)  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
         print(f"ftitan generate: error: {e}", file=sys.stderr)
         return 2
     print(f"# {opts.run} at step {step}")
-    for i in range(opts.n):
-        ids = generate_tokens(
-            model, params, tok.encode(opts.prompt), max_new_tokens=opts.max_new_tokens,
-            key=random.fold_in(random.key(opts.seed), i), temperature=opts.temperature,
-            top_k=opts.top_k, top_p=opts.top_p, eos_id=tok.eos_id,
-        )
-        print(f"--- sample {i}\n{tok.decode(ids)}")
+    for i, new in enumerate(outs):
+        print(f"--- sample {i}\n{tok.decode(prompt + new)}")
     return 0
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["fold_in", "key", "key_data", "normal", "split", "truncated_normal", "uniform"]
+__all__ = ["exponential", "fold_in", "key", "key_data", "normal", "split", "truncated_normal", "uniform"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -115,3 +115,18 @@ def uniform(
         return torch.empty(tuple(shape), dtype=dtype, device="meta")
     x = torch.rand(tuple(shape), generator=_generator(k), dtype=torch.float32)
     return (x * (high - low) + low).to(dtype=dtype, device=device)
+
+
+def exponential(
+    k: torch.Tensor,
+    shape: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Exponential(1) samples (the noise of the exponential race ``argmax(p / E)``, which draws
+    index ``i`` with probability ``p_i / sum(p)``)."""
+    if torch.device(device or "cpu").type == "meta":
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+    x = torch.empty(tuple(shape), dtype=torch.float32).exponential_(generator=_generator(k))
+    return x.to(dtype=dtype, device=device)

@@ -36,3 +36,5 @@ def test_train_then_generate_end_to_end(tmp_path):
     assert gen.stdout.count("import ") >= 2  # each sample continues the prompt
     again = ftitan("generate", "--run", str(run), "--prompt", "import ", "--n", "2", "--max-new-tokens", "8")
     assert again.stdout == gen.stdout  # seeded sampling
+    bad = ftitan("generate", "--run", str(run), "--top-p", "0")
+    assert bad.returncode == 2 and "Sampling.top_p=0.0" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,5 +1,21 @@
-"""Inference: sampling and generation from the same pure model functions."""
+"""Inference from the same pure model functions: a KV cache tree, prefill / decode_step, sampling, generate.
 
-from ftitan.infer.sampling import generate_tokens, sample_logits
+See docs/inference.md. ``ftitan.vllm`` runs the same functions inside vLLM.
+"""
 
-__all__ = ["generate_tokens", "sample_logits"]
+from ftitan.infer.cache import KVCache, init_cache
+from ftitan.infer.generate import generate, steps_for
+from ftitan.infer.sampling import GREEDY, Sampling, sample
+from ftitan.infer.step import make_decode_step, make_prefill
+
+__all__ = [
+    "GREEDY",
+    "KVCache",
+    "Sampling",
+    "generate",
+    "init_cache",
+    "make_decode_step",
+    "make_prefill",
+    "sample",
+    "steps_for",
+]

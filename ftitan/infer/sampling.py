@@ -1,74 +1,82 @@
-"""Sampling from logits, and simple generation by full recomputation.
+"""Picking the next token: greedy, temperature, top-k, top-p, each request with its own settings and key.
 
-``generate_tokens`` reruns the whole sequence through ``model.apply`` for each
-new token (no KV cache): simple and obviously correct, fine for the small
-models a CPU trains. The KV-cache path (``prefill`` / ``decode_step``) will
-replace it without changing this interface.
+A row's draw depends only on its logits, its ``Sampling`` and its key: not on
+the other rows of the batch, so a request gives the same tokens alone or
+batched with others. Sampling is an exponential race (``argmax(p / E)``,
+``E ~ Exp(1)`` drawn from the row's key), which picks token ``i`` with
+probability ``p_i`` after the filters.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
+import attrs
 import torch
 
 from ftitan import random
 
-__all__ = ["generate_tokens", "sample_logits"]
+__all__ = ["GREEDY", "Sampling", "sample"]
 
 
-def sample_logits(
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """How one request picks its tokens (``Sampling()`` samples from the full distribution)."""
+
+    temperature: float = 1.0  # logits / temperature before the filters; 0: greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # then keep the smallest most-likely set whose probability reaches top_p (Holtzman et al. 2020)
+    seed: int | None = None  # this request's own seed; None: derived from generate's key and the request's index
+
+    def __attrs_post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"Sampling.temperature={self.temperature!r}: must be >= 0 (0 is greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"Sampling.top_k={self.top_k!r}: must be an int >= 0 (0 keeps every token)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"Sampling.top_p={self.top_p!r}: must be in (0, 1] (1 keeps every token)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling(temperature=0.0)
+
+
+def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: probabilities in descending order after temperature, top-k and top-p, and that order."""
+    v = logits.shape[-1]
+    temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=logits.device)
+    top_k = torch.tensor([min(r.top_k, v) or v for r in rows], device=logits.device)
+    top_p = torch.tensor([r.top_p for r in rows], device=logits.device)
+    ordered, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
+    keep = torch.arange(v, device=logits.device) < top_k[:, None]
+    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    # drop a token when the mass before it already reaches top_p (the most likely one always stays)
+    keep = keep & (probs.cumsum(-1) - probs < top_p[:, None])
+    return probs.masked_fill(~keep, 0.0), order
+
+
+def sample(
     logits: torch.Tensor,  # (B, V)
-    key: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    keys: Sequence[torch.Tensor] | None,  # one key per row (ftitan.random keys); None when every row is greedy
+    sampling: Sampling | Sequence[Sampling] = GREEDY,
 ) -> torch.Tensor:  # (B,) int64
-    """One token per row: greedy at ``temperature == 0``, else sampled after top-k / top-p filtering."""
-    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-        raise ValueError(f"sample_logits: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got {temperature}, {top_p}, {top_k}")
+    """One token per row of ``logits``, by that row's ``Sampling`` (one for all rows, or one per row)."""
+    b = logits.shape[0]
+    rows = [sampling] * b if isinstance(sampling, Sampling) else list(sampling)
+    if len(rows) != b:
+        raise ValueError(f"sample: {len(rows)} Sampling settings for {b} rows of logits")
     logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first one always stays)
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(logits, dim=-1)
-    gen = torch.Generator().manual_seed(random.key_data(key) >> 1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-
-
-@torch.no_grad()
-def generate_tokens(
-    model: Any,
-    params: Any,
-    prompt: list[int],
-    *,
-    max_new_tokens: int,
-    key: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_id: int | None = None,
-) -> list[int]:
-    """``prompt`` continued by up to ``max_new_tokens`` tokens (stops after ``eos_id``)."""
-    if not prompt:
-        raise ValueError("generate_tokens: the prompt must have at least one token")
-    window = model.config.max_seq_len
-    tokens = list(prompt)
-    for i in range(max_new_tokens):
-        x = torch.tensor([tokens[-window:]], dtype=torch.long)
-        logits, _ = model.apply(params, x)
-        nxt = int(sample_logits(logits[:, -1], random.fold_in(key, i), temperature=temperature, top_k=top_k, top_p=top_p))
-        tokens.append(nxt)
-        if eos_id is not None and nxt == eos_id:
-            break
-    return tokens
+    greedy = logits.argmax(-1)
+    if all(r.greedy for r in rows):
+        return greedy
+    if keys is None or len(keys) != b:
+        raise ValueError(f"sample: sampling needs one key per row ({b}), got {None if keys is None else len(keys)}")
+    probs, order = _filtered_probs(logits, rows)
+    noise = torch.stack([random.exponential(k, (logits.shape[-1],), device=logits.device) for k in keys])
+    choice = (probs / noise).argmax(-1, keepdim=True)
+    drawn = order.gather(-1, choice)[:, 0]
+    is_greedy = torch.tensor([r.greedy for r in rows], device=logits.device)
+    return torch.where(is_greedy, greedy, drawn)

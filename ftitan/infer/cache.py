@@ -1,0 +1,121 @@
+"""The native KV cache: a tree of static-shape tensors that a model's ``apply`` attends through.
+
+``KVCache`` implements ``ftitan.models.base.AttentionCache``: passed as
+``apply(params, tokens, positions=..., cache=cache)``, each layer writes the
+keys/values of the new tokens into its slots and attends over every slot its
+row may see. Shapes never change while generating (``S`` slots per row), so a
+compiled decode step is traced once.
+
+Rows are ragged: row ``b`` holds its sequence in slots ``start[b] ..
+end[b] - 1``. Left-padded prompts start late (``start[b] > 0``, every row ends
+at the same slot); right-padded ones end early (``end[b] < T``, the next
+token overwrites the first padding slot). A query at slot ``j`` sees keys
+``start[b] .. j``; a padding query sees only itself, so padded rows stay
+finite and never leak into real ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ftitan import nn
+
+__all__ = ["KVCache", "init_cache"]
+
+
+class KVCache(NamedTuple):
+    """Per-layer keys/values ``{"0": {"k": (B, S, KV, Dk), "v": (B, S, KV, Dv)}, ...}`` and the rows' spans.
+
+    - ``start`` (B,) int64: first slot of each row's sequence (left padding before it).
+    - ``end`` (B,) int64: one past its last written slot; the next token goes there.
+
+    Build with :func:`init_cache`; ``ftitan.infer.prefill`` / ``decode_step``
+    keep ``start``/``end`` and the positions in step.
+    """
+
+    layers: Mapping[str, Mapping[str, torch.Tensor]]
+    start: torch.Tensor
+    end: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        """``S``: slots per row (prompt plus generated tokens must fit)."""
+        return next(iter(self.layers.values()))["k"].shape[1]
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (B, T, H, Dk) the new tokens' queries
+        k: torch.Tensor,  # (B, T, KV, Dk)
+        v: torch.Tensor,  # (B, T, KV, Dv)
+        *,
+        impl: nn.AttentionImpl = "sdpa",
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, KVCache]:  # (B, T, H, Dv), the cache with layer's k/v written
+        """Write ``k``/``v`` at slots ``end .. end + T - 1`` of each row, then attend over the row's slots."""
+        if not causal:
+            raise ValueError("KVCache.attend: a KV cache serves causal attention only (causal=True)")
+        b, t = k.shape[:2]
+        s = self.slots
+        slot = self.end[:, None] + torch.arange(t, device=k.device)  # (B, T) where each new token goes
+        entry = self.layers[str(layer)]
+        index = slot[:, :, None, None]
+        keys = entry["k"].scatter(1, index.expand(b, t, *entry["k"].shape[2:]), k.to(entry["k"].dtype))
+        values = entry["v"].scatter(1, index.expand(b, t, *entry["v"].shape[2:]), v.to(entry["v"].dtype))
+        key_slot = torch.arange(s, device=k.device)
+        mask = (key_slot >= self.start[:, None, None]) & (key_slot <= slot[:, :, None])  # (B, T, S)
+        mask = mask | (key_slot == slot[:, :, None])  # a padding query (before start) sees itself
+        o = nn.attention(q, keys.to(q.dtype), values.to(q.dtype), impl=impl, causal=False, scale=scale, mask=mask)
+        layers = {**self.layers, str(layer): {"k": keys, "v": values}}
+        return o, KVCache(layers, self.start, self.end)
+
+
+class _ShapeProbe:
+    """An ``AttentionCache`` that records each layer's key/value shapes (plain causal attention)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> tuple[
+            torch.Tensor, _ShapeProbe]:  # fmt: skip
+        self.kv[str(layer)] = (tuple(k.shape[2:]), tuple(v.shape[2:]), k.dtype)
+        return nn.attention(q, k, v, **kwargs), self
+
+
+@torch.no_grad()
+def init_cache(
+    model: Any,
+    params: Any,
+    *,
+    batch: int,
+    slots: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> KVCache:
+    """An empty :class:`KVCache` of ``slots`` positions for ``batch`` rows of ``model``.
+
+    The per-layer key/value shapes come from the model itself (one
+    single-token ``apply`` that records what each layer attends with), so
+    every family (GQA, MLA) gets the cache its attention needs. ``dtype``
+    defaults to the keys' dtype (the params'), ``device`` to the embedding's.
+    """
+    if batch < 1 or slots < 1:
+        raise ValueError(f"init_cache: batch={batch} and slots={slots} must be >= 1")
+    device = params["embed"].device if device is None else device
+    probe = _ShapeProbe()
+    model.apply(params, torch.zeros(1, 1, dtype=torch.long, device=device), cache=probe, logits=False)
+    if not probe.kv:
+        raise ValueError("init_cache: the model's apply never called cache.attend; it has no attention to cache")
+    layers = {
+        name: {
+            "k": torch.zeros(batch, slots, *k_shape, dtype=dtype or kv_dtype, device=device),
+            "v": torch.zeros(batch, slots, *v_shape, dtype=dtype or kv_dtype, device=device),
+        }
+        for name, (k_shape, v_shape, kv_dtype) in probe.kv.items()
+    }
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    return KVCache(layers, zeros, zeros.clone())

@@ -1,0 +1,90 @@
+"""``prefill`` and ``decode_step``: pure functions built from a model's own ``apply`` and a KV cache.
+
+>>> prefill, decode_step = make_prefill(model), make_decode_step(model)
+>>> cache = init_cache(model, params, batch=2, slots=64)
+>>> logits, cache = prefill(params, tokens, cache, lengths=torch.tensor([5, 3]), padding="right")
+>>> logits, cache = decode_step(params, logits.argmax(-1), cache)   # (B, V), one new token per row
+
+Both return the logits of each row's newest token and a new cache; the cache
+passed in is not modified. ``decode_step`` keeps every shape static (B rows,
+S slots), so ``torch.compile(decode_step, fullgraph=True)`` traces it once
+for a whole generation, whatever the tokens or the rows' lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from ftitan import nn
+from ftitan.infer.cache import KVCache
+
+__all__ = ["DecodeFn", "Padding", "PrefillFn", "make_decode_step", "make_prefill"]
+
+Padding = Literal["left", "right"]
+PrefillFn = Callable[..., tuple[torch.Tensor, KVCache]]
+DecodeFn = Callable[[Any, torch.Tensor, KVCache], tuple[torch.Tensor, KVCache]]
+
+
+def _next_logits(model: Any, params: Any, h: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # (B, V)
+    """Logits of hidden state ``h[b, last[b]]`` of each row (B, T, D) -> (B, V): the head on B rows only."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return nn.linear(h[rows, last], model.head(params))
+
+
+def make_prefill(model: Any) -> PrefillFn:
+    """``prefill(params, tokens, cache, *, lengths=None, padding="right") -> (logits (B, V), cache)``.
+
+    ``tokens`` (B, T) are the prompts, padded on ``padding``'s side to
+    ``T``; ``lengths`` (B,) counts each row's real tokens (default all
+    ``T``). ``cache`` must be fresh (:func:`~ftitan.infer.init_cache`, at
+    least ``T`` slots). Each row's tokens get positions ``0 .. len - 1``
+    whichever side its padding is on; the logits are those of its last real
+    token, equal to the full forward's (``apply(params, prompt)[:, -1]``).
+    """
+
+    def prefill(
+        params: Any,
+        tokens: torch.Tensor,  # (B, T) int, padded
+        cache: KVCache,
+        *,
+        lengths: torch.Tensor | None = None,  # (B,) int real tokens per row; default T
+        padding: Padding = "right",
+    ) -> tuple[torch.Tensor, KVCache]:  # (B, V), cache
+        b, t = tokens.shape
+        if padding not in ("left", "right"):
+            raise ValueError(f"prefill: padding={padding!r}; expected 'left' or 'right'")
+        if t > cache.slots or cache.start.shape[0] != b:
+            raise ValueError(f"prefill: {b} prompts of {t} tokens do not fit a cache of {cache.start.shape[0]} rows "
+                             f"x {cache.slots} slots; build it with init_cache(..., batch={b}, slots>={t})")  # fmt: skip
+        lengths = torch.full((b,), t, device=tokens.device) if lengths is None else lengths.to(tokens.device)
+        if not torch.compiler.is_compiling() and (tuple(lengths.shape) != (b,) or not (
+                (lengths >= 1) & (lengths <= t)).all()):  # fmt: skip
+            raise ValueError(f"prefill: lengths {lengths.tolist()} must give 1 .. {t} real tokens for each of {b} rows")
+        start = t - lengths if padding == "left" else torch.zeros_like(lengths)
+        positions = (torch.arange(t, device=tokens.device) - start[:, None]).clamp(min=0)  # (B, T); pads at 0
+        cache = KVCache(cache.layers, start, torch.zeros_like(start))  # fresh: the prompt fills slots 0 .. T - 1
+        h, cache = model.apply(params, tokens, positions=positions, cache=cache, logits=False)
+        end = start + lengths
+        return _next_logits(model, params, h, end - 1), KVCache(cache.layers, start, end)
+
+    return prefill
+
+
+def make_decode_step(model: Any) -> DecodeFn:
+    """``decode_step(params, token, cache) -> (logits (B, V), cache)``: one new token (B,) per row.
+
+    The token goes into slot ``cache.end`` of its row at position
+    ``end - start``; the logits are its next-token logits, equal to the
+    full forward's at that position.
+    """
+
+    def decode_step(params: Any, token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
+        positions = (cache.end - cache.start)[:, None]  # (B, 1)
+        h, cache = model.apply(params, token[:, None], positions=positions, cache=cache, logits=False)
+        logits = nn.linear(h[:, 0], model.head(params))
+        return logits, KVCache(cache.layers, cache.start, cache.end + 1)
+
+    return decode_step
