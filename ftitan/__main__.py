@@ -4,6 +4,7 @@
     ftitan generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S --n N]
     ftitan bench step [--out FILE ...]
     ftitan bench parallel [--nproc 4 --layouts dp_shard=4 dp_shard=2,tp=2 ... --out FILE]
+    ftitan bench generate [--peers ... --batches 1 8 --out FILE]
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ USAGE = """usage:
   ftitan train --recipe NAME [--resume] [dotted overrides, e.g. --optim.lr 1e-3]   (ftitan train --help)
   ftitan generate --run DIR --prompt TEXT [options]                                (ftitan generate --help)
   ftitan bench step [options]                                                      (ftitan bench step --help)
-  ftitan bench parallel [options]                                                  (ftitan bench parallel --help)"""
+  ftitan bench parallel [options]                                                  (ftitan bench parallel --help)
+  ftitan bench generate [options]                                                  (ftitan bench generate --help)"""
 
 
 @attrs.frozen(kw_only=True)
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from ftitan.bench.parallel import main as bench_parallel
 
         return bench_parallel(argv[2:])
+    if argv[:2] == ["bench", "generate"]:
+        from ftitan.bench.generate import main as bench_generate
+
+        return bench_generate(argv[2:])
     print(USAGE, file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

@@ -4,6 +4,7 @@ See docs/inference.md. ``ftitan.vllm`` runs the same functions inside vLLM.
 """
 
 from ftitan.infer.cache import KVCache, init_cache
+from ftitan.infer.fuse import fuse_projections, fused_slices
 from ftitan.infer.generate import generate, steps_for
 from ftitan.infer.sampling import GREEDY, Sampling, sample
 from ftitan.infer.step import make_decode_step, make_prefill
@@ -12,6 +13,8 @@ __all__ = [
     "GREEDY",
     "KVCache",
     "Sampling",
+    "fuse_projections",
+    "fused_slices",
     "generate",
     "init_cache",
     "make_decode_step",

@@ -18,6 +18,7 @@ import torch
 
 from ftitan import random
 from ftitan.infer.cache import init_cache
+from ftitan.infer.fuse import fuse_projections
 from ftitan.infer.sampling import GREEDY, Sampling, sample
 from ftitan.infer.step import DecodeFn, Padding, PrefillFn, make_decode_step, make_prefill
 
@@ -82,6 +83,7 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     padding: Padding = "left",
     compile: bool | str = False,
+    fuse: bool = True,
 ) -> list[list[int]]:  # the new tokens of each prompt
     """Continue each prompt by up to ``max_new_tokens`` tokens (see the module docstring).
 
@@ -89,7 +91,8 @@ def generate(
     ``padding`` puts the batch's padding before ("left") or after
     ("right") the shorter prompts (same tokens either way); ``compile``
     runs the decode step under ``torch.compile`` (``True``: inductor, or a
-    backend name), traced once per model and batch shape.
+    backend name), traced once per model and batch shape. ``fuse`` stacks the q/k/v and gate/up
+    projections first (:func:`~ftitan.infer.fuse_projections`; pass fused params to skip the copy).
     """
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
@@ -97,6 +100,7 @@ def generate(
         raise ValueError(f"generate: padding={padding!r}; expected 'left' or 'right'")
     rows, keys = _requests(prompts, sampling, key, model.config.vocab_size)
     stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    params = fuse_projections(params) if fuse else params
     tokens, lengths = _pad(prompts, padding, params["embed"].device)
     cache = init_cache(model, params, batch=len(prompts), slots=tokens.shape[1] + max_new_tokens)
     prefill, decode_step = steps_for(model, compile=compile)

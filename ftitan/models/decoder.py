@@ -131,9 +131,12 @@ def attention(
     x = par.column_input(x)  # tensor parallel: the block's input, whole on every tp rank
     b, t, _ = x.shape
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
-    q = nn.linear(x, p["wq"]).view(b, t, -1, cfg.head_dim)
-    k = nn.linear(x, p["wk"]).view(b, t, -1, cfg.head_dim)
-    v = nn.linear(x, p["wv"]).view(b, t, -1, cfg.head_dim)
+    if "wqkv" in p:  # one matmul for q, k, v (ftitan.infer.fuse_projections; one process, no tp)
+        sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
+        q, k, v = nn.linear(x, p["wqkv"]).split(sizes, dim=-1)
+    else:
+        q, k, v = nn.linear(x, p["wq"]), nn.linear(x, p["wk"]), nn.linear(x, p["wv"])
+    q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (q, k, v))
     if "q_norm" in p:  # Qwen3
         q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps)
         k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps)

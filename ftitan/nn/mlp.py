@@ -16,15 +16,22 @@ __all__ = ["init_swiglu", "swiglu", "swiglu_params"]
 
 def swiglu(
     x: torch.Tensor,  # (..., D)
-    w1: torch.Tensor,  # (F, D) gate
-    w2: torch.Tensor,  # (D, F) down
-    w3: torch.Tensor,  # (F, D) up
+    w1: torch.Tensor | None = None,  # (F, D) gate
+    w2: torch.Tensor | None = None,  # (D, F) down
+    w3: torch.Tensor | None = None,  # (F, D) up
+    *,
+    w13: torch.Tensor | None = None,  # (2F, D): [w1; w3] in one matrix, instead of w1 and w3
 ) -> torch.Tensor:  # (..., D)
-    gate = linear(x, w1)
+    """``w2(silu(w1 x) * w3 x)``; with ``w13`` (``ftitan.infer.fuse_projections``: one matmul for
+    gate and up, as inference engines do) the same function."""
+    if w13 is not None:
+        gate, up = linear(x, w13).chunk(2, dim=-1)
+    else:
+        gate, up = linear(x, w1), linear(x, w3)
     # silu written out: F.silu's fused backward kernel differs from the
     # decomposition torch.func uses by an ulp, and the train step promises
     # identical gradients on its torch.func and autograd paths
-    return linear(gate * torch.sigmoid(gate) * linear(x, w3), w2)
+    return linear(gate * torch.sigmoid(gate) * up, w2)
 
 
 def swiglu_params(dim: int, hidden_dim: int, *, std: float = 0.02, out_std: float | None = None) -> dict[str, Param]:

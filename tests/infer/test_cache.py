@@ -123,3 +123,25 @@ def test_prefill_refuses_what_does_not_fit():
         prefill(params, torch.zeros(1, 3, dtype=torch.long), init_cache(model, params, batch=1, slots=4), padding="up")
     with pytest.raises(ValueError, match="causal"):
         init_cache(model, params, batch=1, slots=4).attend(0, *[torch.zeros(1, 1, 2, 16)] * 3, causal=False)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_fused_projections_compute_the_same_function(name):
+    model = MODELS[name]
+    params = params_of(model)
+    fused = ft.infer.fuse_projections(params)
+    tokens = torch.tensor(PROMPTS[0])[None]
+    want, _ = model.apply(params, tokens)
+    got, _ = model.apply(fused, tokens)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    paths = set(tree.paths(fused))
+    if name == "deepseek_v3":  # MLA has no wq/wk/wv; its dense layers' SwiGLU fuses
+        assert "layers.0.mlp.w13" in paths and not any(p.endswith("wqkv") for p in paths)
+    else:
+        assert "layers.0.attn.wqkv" in paths and "layers.0.attn.wq" not in paths
+    if name == "qwen3_moe":  # 3-D experts stay as they are
+        assert any(p.endswith("moe.experts.w1") for p in paths)
+    assert ft.infer.fuse_projections(fused) == fused  # idempotent: nothing left to fuse
+    for path, (into, lo, hi) in ft.infer.fused_slices(params).items():
+        leaf = dict(zip(tree.paths(params), tree.leaves(params), strict=True))[path]
+        assert torch.equal(dict(zip(tree.paths(fused), tree.leaves(fused), strict=True))[into][lo:hi], leaf)

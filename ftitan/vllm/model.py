@@ -1,0 +1,197 @@
+"""The vLLM model class: ftitan's pure ``apply`` over a params tree of ``nn.Parameter`` leaves.
+
+There is no second model definition. :class:`FtitanForCausalLM` holds the family's ``Model``
+(``registry.model_for``), registers every params leaf as a parameter (``layers.3.attn.wq`` is
+``layers__3__attn__wq``: vLLM parameter names cannot contain ``.``) and keeps the tree whose
+leaves ARE those parameters, so ``apply`` always reads the live weights. Attention goes through
+:class:`PagedAttention`, an ``AttentionCache`` (``ftitan.models.base``) whose ``attend`` calls
+one vLLM paged ``Attention`` per layer over the flat token stream of every running request.
+
+Importing this module imports vLLM; ``ftitan.vllm.engine`` does it on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn as tnn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.platforms import current_platform
+
+from ftitan import nn, random, tree
+from ftitan.models import hf, registry
+from ftitan.vllm._families import ARCHITECTURES, check_supported
+
+__all__ = ["FtitanForCausalLM", "PagedAttention", "param_name", "register"]
+
+
+def param_name(path: str) -> str:
+    """The ``nn.Parameter`` name of a ftitan leaf path: ``layers.3.attn.wq`` -> ``layers__3__attn__wq``."""
+    return path.replace(".", "__")
+
+
+class PagedAttention:
+    """``AttentionCache`` over vLLM's paged KV cache: layer ``i`` attends through ``layers[i]``.
+
+    vLLM's ``Attention`` finds the KV cache, block tables and sequence boundaries of the current
+    batch in its forward context, so this object holds no state and ``attend`` returns ``self``.
+    """
+
+    def __init__(self, layers: Sequence[Attention], scale: float) -> None:
+        self.layers, self.scale = layers, scale
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # (1, N, H, Dk) RoPE'd queries of the flat token stream
+        k: torch.Tensor,  # (1, N, KV, Dk)
+        v: torch.Tensor,  # (1, N, KV, Dv)
+        *,
+        impl: str,  # ftitan's attention kernel choice; vLLM's backend decides here
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, PagedAttention]:  # (1, N, H, Dv), self
+        if not causal or not math.isclose(scale, self.scale, rel_tol=1e-6):
+            raise ValueError(
+                f"ftitan.vllm: layer {layer} asked for causal={causal}, scale={scale}; vLLM's Attention "
+                f"was built causal with scale={self.scale}"
+            )
+        b, t, h, _ = q.shape
+        if b != 1:
+            raise ValueError(f"ftitan.vllm: attend got batch {b}; vLLM runs one flat token stream (batch 1)")
+        o = self.layers[layer](q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1))  # (N, H * Dv)
+        return o.view(1, t, h, -1), self
+
+
+class FtitanForCausalLM(tnn.Module):
+    """A ftitan family (``llama``, ``qwen3``, ``qwen3_moe``) as a vLLM text-generation model.
+
+    Built by vLLM from the HF ``config.json`` (``hf.config_from_hf``); registered as
+    ``FtitanLlamaForCausalLM`` etc. by :func:`register`, chosen with
+    ``LLM(..., hf_overrides={"architectures": [name]})`` (``ftitan.vllm.engine`` does both).
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = hf.config_from_hf(vllm_config.model_config.hf_config.to_dict())
+        check_supported(self.config, cpu=current_platform.is_cpu())
+        self.model = registry.model_for(self.config)
+        dtype = vllm_config.model_config.dtype
+        # shapes from a meta init; vLLM loads the values next (load_weights), so nothing is drawn
+        paths, metas, treedef = tree.flatten_with_paths(self.model.init(random.key(0), dtype=dtype, device="meta"))
+        leaves = []
+        for path, meta in zip(paths, metas, strict=True):
+            p = tnn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=False)
+            p.weight_loader = default_weight_loader  # reload_weights only loads through weight_loader
+            self.register_parameter(param_name(path), p)
+            leaves.append(p)
+        self.params = tree.unflatten(treedef, leaves)  # the tree apply reads: its leaves are the Parameters
+        self.paths = dict(zip(map(param_name, paths), paths, strict=True))  # parameter name -> ftitan path
+        cfg, head_dim = self.config, self.config.head_dim
+        self.attn = tnn.ModuleList(
+            Attention(cfg.n_heads, head_dim, head_dim**-0.5, num_kv_heads=cfg.n_kv_heads,
+                      cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn.{i}" if prefix else f"attn.{i}")
+            for i in range(cfg.n_layers)
+        )  # fmt: skip
+        self.paged = PagedAttention(list(self.attn), head_dim**-0.5)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
+        return nn.embed(input_ids, self.params["embed"])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # (N,) every scheduled token of every request, concatenated
+        positions: torch.Tensor,  # (N,) each token's position in its own sequence
+        intermediate_tensors: Any = None,  # pipeline parallelism (unsupported)
+        inputs_embeds: torch.Tensor | None = None,  # (N, D) instead of input_ids
+    ) -> torch.Tensor:  # (N, D) final-normed hidden states
+        if intermediate_tensors is not None:
+            raise NotImplementedError("ftitan.vllm: pipeline parallelism inside vLLM is not supported")
+        if inputs_embeds is not None:  # the same layers, entered after the embedding
+            every = range(self.config.n_layers)
+            h, _, _ = self.model.stage(self.params, inputs_embeds[None], layers=every, first=False, last=True,
+                                       positions=positions[None], cache=self.paged)  # fmt: skip
+        else:
+            h, _ = self.model.apply(self.params, input_ids[None], positions=positions[None], cache=self.paged,
+                                    logits=False)  # fmt: skip
+        return h[0]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (n, D) -> (n, V)
+        return nn.linear(hidden_states, self.model.head(self.params))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors (``hf.to_hf`` names) through each parameter's ``weight_loader``; returns
+        the parameter names loaded. Leaves HF stores split (Qwen3-MoE's per-expert tensors) are joined
+        with the family's table once all their pieces have arrived."""
+        maps = hf.family_of(self.config).weights(self.config)
+        by_name = {n: m for m in maps for n in m.names}
+        ignored = hf.family_of(self.config).ignored(self.config)
+        live = dict(self.named_parameters())  # looked up now: vLLM's reload swaps parameters while loading
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            m = by_name.get(name)
+            if m is None:
+                if any(tree.match(name, g) for g in ignored):
+                    continue
+                family = hf.family_of(self.config).name
+                raise KeyError(f"ftitan.vllm: checkpoint tensor {name!r} has no place in ftitan's {family} model")
+            parts = pending.setdefault(m.path, {})
+            parts[name] = tensor
+            if len(parts) == len(m.names):
+                joined = m.from_hf([parts[n] for n in m.names]) if m.from_hf else parts[name]
+                loaded.add(_load_leaf(live[param_name(m.path)], joined, m.path, m.names))
+                del pending[m.path]
+        if pending:
+            missing = {p: sorted(set(m.names) - set(pending[p])) for m in maps if (p := m.path) in pending}
+            raise KeyError(f"ftitan.vllm: incomplete checkpoint tensors for {missing}")
+        return loaded
+
+    @torch.no_grad()
+    def copy_params_(self, params: tree.Tree) -> None:
+        """Copy a ftitan params tree into the parameters in place (dtype converted); ValueError, before
+        anything is copied, unless its paths and shapes are exactly this model's."""
+        new_paths, new_leaves, _ = tree.flatten_with_paths(params)
+        new = dict(zip(new_paths, new_leaves, strict=True))
+        mine = {path: getattr(self, name) for name, path in self.paths.items()}
+        _check_same_leaves(mine, new)
+        for path, p in mine.items():
+            p.copy_(new[path])
+
+
+def _load_leaf(param: torch.Tensor, x: torch.Tensor, path: str, names: Sequence[str]) -> str:
+    if tuple(x.shape) != tuple(param.shape):
+        raise ValueError(f"{path} (from {', '.join(names)}): checkpoint shape {tuple(x.shape)}, "
+                         f"the engine's model has {tuple(param.shape)}")  # fmt: skip
+    param.weight_loader(param, x)
+    return param_name(path)
+
+
+def _check_same_leaves(mine: Mapping[str, torch.Tensor], new: Mapping[str, Any]) -> None:
+    def some(items: list[str]) -> str:
+        return ", ".join(items[:6]) + (f", ... ({len(items) - 6} more)" if len(items) > 6 else "")
+
+    missing, extra = sorted(set(mine) - set(new)), sorted(set(new) - set(mine))
+    shapes = [f"{p} {tuple(new[p].shape)} (engine {tuple(mine[p].shape)})"
+              for p in mine if p in new and tuple(getattr(new[p], "shape", ())) != tuple(mine[p].shape)]  # fmt: skip
+    problems = [f"{what} [{some(items)}]" for what, items in
+                (("missing", missing), ("unexpected", extra), ("misshapen", shapes)) if items]  # fmt: skip
+    if problems:
+        raise ValueError(
+            f"ftitan.vllm.push_weights: the params tree does not match the engine's model: {'; '.join(problems)}. "
+            "Push a tree of the family and config the engine was built from"
+        )
+
+
+def register() -> None:
+    """Register :class:`FtitanForCausalLM` with ``vllm.ModelRegistry`` under every name in
+    ``ARCHITECTURES`` (idempotent; usable as a ``vllm.general_plugins`` entry point)."""
+    from vllm import ModelRegistry
+
+    for arch in ARCHITECTURES.values():
+        ModelRegistry.register_model(arch, FtitanForCausalLM)
