@@ -23,7 +23,7 @@ import torch
 
 from ftitan import nn
 
-__all__ = ["KVCache", "init_cache"]
+__all__ = ["Donated", "KVCache", "init_cache"]
 
 
 class KVCache(NamedTuple):
@@ -57,21 +57,59 @@ class KVCache(NamedTuple):
         scale: float | None = None,
     ) -> tuple[torch.Tensor, KVCache]:  # (B, T, H, Dv), the cache with layer's k/v written
         """Write ``k``/``v`` at slots ``end .. end + T - 1`` of each row, then attend over the row's slots."""
+        return self.write_and_attend(layer, q, k, v, inplace=False, impl=impl, causal=causal, scale=scale)
+
+    def write_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        inplace: bool,
+        impl: nn.AttentionImpl = "sdpa",
+        causal: bool = True,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, KVCache]:
+        """:meth:`attend`, writing into new buffers, or (``inplace``) into this cache's own: see
+        :class:`Donated`."""
         if not causal:
             raise ValueError("KVCache.attend: a KV cache serves causal attention only (causal=True)")
         b, t = k.shape[:2]
         s = self.slots
         slot = self.end[:, None] + torch.arange(t, device=k.device)  # (B, T) where each new token goes
         entry = self.layers[str(layer)]
-        index = slot[:, :, None, None]
-        keys = entry["k"].scatter(1, index.expand(b, t, *entry["k"].shape[2:]), k.to(entry["k"].dtype))
-        values = entry["v"].scatter(1, index.expand(b, t, *entry["v"].shape[2:]), v.to(entry["v"].dtype))
+        where = (torch.arange(b, device=k.device)[:, None].expand(b, t), slot)  # (row, slot) of each new token
+        written = []
+        for buf, new in ((entry["k"], k), (entry["v"], v)):
+            new = new.to(buf.dtype)
+            written.append(buf.index_put_(where, new) if inplace else buf.index_put(where, new))
+        keys, values = written
         key_slot = torch.arange(s, device=k.device)
         mask = (key_slot >= self.start[:, None, None]) & (key_slot <= slot[:, :, None])  # (B, T, S)
         mask = mask | (key_slot == slot[:, :, None])  # a padding query (before start) sees itself
         o = nn.attention(q, keys.to(q.dtype), values.to(q.dtype), impl=impl, causal=False, scale=scale, mask=mask)
         layers = {**self.layers, str(layer): {"k": keys, "v": values}}
         return o, KVCache(layers, self.start, self.end)
+
+
+class Donated:
+    """A :class:`KVCache` given up by its caller: layers write the new keys/values into its own
+    buffers (an in-place scatter of ``T`` slots) instead of new copies of the whole cache.
+
+    The values computed are those of the pure path, bit for bit; only the input cache is
+    consumed (JAX's buffer donation). ``prefill`` / ``decode_step`` built with ``donate=True``
+    wrap the cache in it; ``generate`` does, since it never looks at an old cache again.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, Donated]:
+        o, self.cache = self.cache.write_and_attend(layer, q, k, v, inplace=True, **kwargs)
+        return o, self
 
 
 class _ShapeProbe:

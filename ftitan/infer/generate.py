@@ -29,15 +29,19 @@ _STEPS: dict[tuple[int, bool | str], tuple[Any, PrefillFn, DecodeFn]] = {}
 
 
 def steps_for(model: Any, *, compile: bool | str = False) -> tuple[PrefillFn, DecodeFn]:
-    """``(prefill, decode_step)`` of ``model``, the decode step ``torch.compile``'d (fullgraph) with
-    ``compile`` (``True``: inductor, or a backend name such as ``"aot_eager"``); built once per model,
-    so repeated generations reuse one compiled graph."""
+    """``(prefill, decode_step)`` of ``model`` that consume their cache (``donate=True``), the decode
+    step ``torch.compile``'d (fullgraph) with ``compile`` (``True``: inductor, or a backend name such
+    as ``"aot_eager"``); built once per model, so repeated generations reuse one compiled graph."""
     cached = _STEPS.get((id(model.apply), compile))
     if cached is not None and cached[0] is model.apply:
         return cached[1], cached[2]
-    prefill, decode = make_prefill(model), make_decode_step(model)
-    if compile:
-        decode = torch.compile(decode, fullgraph=True, backend="inductor" if compile is True else compile)
+    # generate never reads a cache twice, so both steps write into it in place (donate)
+    prefill, decode = make_prefill(model, donate=True), make_decode_step(model, donate=True)
+    if compile is True:  # inductor; its C++ wrapper saves a Python call per kernel, which is most of a
+        # decode step's time beside the matmuls (10-20% faster steps on CPU)
+        decode = torch.compile(decode, fullgraph=True, options={"cpp_wrapper": True})
+    elif compile:
+        decode = torch.compile(decode, fullgraph=True, backend=compile)
     _STEPS[(id(model.apply), compile)] = (model.apply, prefill, decode)
     return prefill, decode
 

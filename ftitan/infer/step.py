@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from ftitan import nn
-from ftitan.infer.cache import KVCache
+from ftitan.infer.cache import Donated, KVCache
 
 __all__ = ["DecodeFn", "Padding", "PrefillFn", "make_decode_step", "make_prefill"]
 
@@ -34,7 +34,14 @@ def _next_logits(model: Any, params: Any, h: torch.Tensor, last: torch.Tensor) -
     return nn.linear(h[rows, last], model.head(params))
 
 
-def make_prefill(model: Any) -> PrefillFn:
+def _run(model: Any, params: Any, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, donate: bool
+         ) -> tuple[torch.Tensor, KVCache]:  # fmt: skip
+    """``apply(..., logits=False)`` through ``cache`` (its own buffers written when ``donate``)."""
+    h, out = model.apply(params, tokens, positions=positions, cache=Donated(cache) if donate else cache, logits=False)
+    return h, out.cache if donate else out
+
+
+def make_prefill(model: Any, *, donate: bool = False) -> PrefillFn:
     """``prefill(params, tokens, cache, *, lengths=None, padding="right") -> (logits (B, V), cache)``.
 
     ``tokens`` (B, T) are the prompts, padded on ``padding``'s side to
@@ -42,7 +49,8 @@ def make_prefill(model: Any) -> PrefillFn:
     ``T``). ``cache`` must be fresh (:func:`~ftitan.infer.init_cache`, at
     least ``T`` slots). Each row's tokens get positions ``0 .. len - 1``
     whichever side its padding is on; the logits are those of its last real
-    token, equal to the full forward's (``apply(params, prompt)[:, -1]``).
+    token, equal to the full forward's (``apply(params, prompt)[:, -1]``). With ``donate`` the
+    cache passed in is consumed: its buffers are written in place (:class:`~ftitan.infer.cache.Donated`).
     """
 
     def prefill(
@@ -66,24 +74,26 @@ def make_prefill(model: Any) -> PrefillFn:
         start = t - lengths if padding == "left" else torch.zeros_like(lengths)
         positions = (torch.arange(t, device=tokens.device) - start[:, None]).clamp(min=0)  # (B, T); pads at 0
         cache = KVCache(cache.layers, start, torch.zeros_like(start))  # fresh: the prompt fills slots 0 .. T - 1
-        h, cache = model.apply(params, tokens, positions=positions, cache=cache, logits=False)
+        h, cache = _run(model, params, tokens, positions, cache, donate)
         end = start + lengths
         return _next_logits(model, params, h, end - 1), KVCache(cache.layers, start, end)
 
     return prefill
 
 
-def make_decode_step(model: Any) -> DecodeFn:
+def make_decode_step(model: Any, *, donate: bool = False) -> DecodeFn:
     """``decode_step(params, token, cache) -> (logits (B, V), cache)``: one new token (B,) per row.
 
     The token goes into slot ``cache.end`` of its row at position
     ``end - start``; the logits are its next-token logits, equal to the
-    full forward's at that position.
+    full forward's at that position. With ``donate`` the cache passed in is
+    consumed (written in place: one slot per row instead of a new copy of
+    the whole cache per step; the same values).
     """
 
     def decode_step(params: Any, token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         positions = (cache.end - cache.start)[:, None]  # (B, 1)
-        h, cache = model.apply(params, token[:, None], positions=positions, cache=cache, logits=False)
+        h, cache = _run(model, params, token[:, None], positions, cache, donate)
         logits = nn.linear(h[:, 0], model.head(params))
         return logits, KVCache(cache.layers, cache.start, cache.end + 1)
 

@@ -6,21 +6,34 @@ import/export is a rename, never a transpose.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from ftitan.nn.param import Param, init, truncated_normal_init, zeros_init
 
-__all__ = ["bias_param", "init_linear", "linear", "linear_param"]
+__all__ = ["PreparedWeight", "bias_param", "init_linear", "linear", "linear_param"]
 
 
 def linear(
     x: torch.Tensor,  # (..., in)
-    w: torch.Tensor,  # (out, in)
+    w: torch.Tensor | PreparedWeight,  # (out, in)
     b: torch.Tensor | None = None,  # (out,)
 ) -> torch.Tensor:  # (..., out)
-    """``x @ w.T + b``."""
-    return F.linear(x, w, b)
+    """``x @ w.T + b``. ``w`` may also be a :class:`PreparedWeight` (a matrix an inference runtime
+    laid out for its own GEMM, e.g. ``ftitan.vllm``'s oneDNN-packed weights): it computes the same."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    return w.linear(x, b)
+
+
+class PreparedWeight(Protocol):
+    """A ``(out, in)`` weight in a runtime's own layout: ``linear(x, b)`` is ``x @ weight.T + b``."""
+
+    shape: torch.Size
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def linear_param(

@@ -28,13 +28,15 @@ def cache_root() -> Path:
 def set_defaults() -> None:
     """``os.environ.setdefault`` of vLLM's cache folders and in-process engines (a value the user
     already set wins): ``VLLM_CACHE_ROOT=<cache>/vllm``, ``TORCHINDUCTOR_CACHE_DIR=<cache>/inductor``,
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_LOGGING_STREAM=ext://sys.stderr`` (vLLM logs to stdout
+    otherwise, mixing its INFO lines into a program's output, e.g. ``ftitan bench``'s JSON)."""
     root = cache_root()
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     # in-process engine core: starts in ~2 s instead of ~20 s, needs no __main__ guard, and lets
     # push_weights / apply_model reach the model object directly
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def import_vllm() -> ModuleType:

@@ -1,11 +1,17 @@
 """The vLLM model class: ftitan's pure ``apply`` over a params tree of ``nn.Parameter`` leaves.
 
 There is no second model definition. :class:`FtitanForCausalLM` holds the family's ``Model``
-(``registry.model_for``), registers every params leaf as a parameter (``layers.3.attn.wq`` is
-``layers__3__attn__wq``: vLLM parameter names cannot contain ``.``) and keeps the tree whose
-leaves ARE those parameters, so ``apply`` always reads the live weights. Attention goes through
-:class:`PagedAttention`, an ``AttentionCache`` (``ftitan.models.base``) whose ``attend`` calls
-one vLLM paged ``Attention`` per layer over the flat token stream of every running request.
+(``registry.model_for``) and registers every leaf of its inference params tree as a parameter
+(``layers.3.attn.wqkv`` is ``layers__3__attn__wqkv``: vLLM parameter names cannot contain
+``.``). That tree has the q/k/v and gate/up projections stacked (``ftitan.infer.fuse_projections``,
+which the model functions read as they are), so a decoder layer makes four matmuls, as vLLM's
+own models do. Attention goes through :class:`PagedAttention`, an ``AttentionCache``
+(``ftitan.models.base``) whose ``attend`` calls one vLLM paged ``Attention`` per layer over the
+flat token stream of every running request.
+
+Where vLLM has its oneDNN CPU GEMM, the tree ``apply`` reads holds :class:`PackedLinear` weights
+(prepacked once per weight load or push, as vLLM's ``dispatch_cpu_unquantized_gemm`` does for its
+own layers; ``ftitan.nn.linear`` calls them); elsewhere it holds the parameters themselves.
 
 Importing this module imports vLLM; ``ftitan.vllm.engine`` does it on first use.
 """
@@ -24,10 +30,14 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 
 from ftitan import nn, random, tree
+from ftitan.infer.fuse import fuse_projections, fused_slices
 from ftitan.models import hf, registry
 from ftitan.vllm._families import ARCHITECTURES, check_supported
 
-__all__ = ["FtitanForCausalLM", "PagedAttention", "param_name", "register"]
+__all__ = ["FtitanForCausalLM", "PackedLinear", "PagedAttention", "param_name", "register"]
+
+# the matrices every token multiplies (packed for oneDNN); embeddings, routers and experts stay
+_PACKED = ("wqkv", "wo", "w13", "w2", "head")
 
 
 def param_name(path: str) -> str:
@@ -68,6 +78,29 @@ class PagedAttention:
         return o.view(1, t, h, -1), self
 
 
+class PackedLinear:
+    """A ``(out, in)`` weight prepacked for vLLM's oneDNN CPU GEMM: ``nn.linear(x, packed)`` is
+    ``x @ weight.T`` (``ftitan.nn.linear`` calls :meth:`linear` for weights that are not tensors)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        self.shape = weight.shape
+        self._handler = ops.create_onednn_mm(weight.detach().t(), 32)  # packs a copy of the weight
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:  # (..., in) -> (..., out)
+        from vllm import _custom_ops as ops
+
+        return ops.onednn_mm(self._handler, x, b)
+
+
+def _packs() -> bool:
+    """Whether this vLLM has its oneDNN GEMM (x86 / Arm CPU builds), which fp32 and bf16 weights use."""
+    from vllm import _custom_ops as ops
+
+    return current_platform.is_cpu() and ops._supports_onednn
+
+
 class FtitanForCausalLM(tnn.Module):
     """A ftitan family (``llama``, ``qwen3``, ``qwen3_moe``) as a vLLM text-generation model.
 
@@ -83,15 +116,19 @@ class FtitanForCausalLM(tnn.Module):
         self.model = registry.model_for(self.config)
         dtype = vllm_config.model_config.dtype
         # shapes from a meta init; vLLM loads the values next (load_weights), so nothing is drawn
-        paths, metas, treedef = tree.flatten_with_paths(self.model.init(random.key(0), dtype=dtype, device="meta"))
+        unfused = self.model.init(random.key(0), dtype=dtype, device="meta")
+        self.slices = fused_slices(unfused)  # unfused leaf path -> (fused path, rows)
+        self.unfused_shapes = dict(zip(tree.paths(unfused), (x.shape for x in tree.leaves(unfused)), strict=True))
+        paths, metas, treedef = tree.flatten_with_paths(fuse_projections(unfused))
         leaves = []
         for path, meta in zip(paths, metas, strict=True):
             p = tnn.Parameter(torch.empty(meta.shape, dtype=meta.dtype), requires_grad=False)
             p.weight_loader = default_weight_loader  # reload_weights only loads through weight_loader
             self.register_parameter(param_name(path), p)
             leaves.append(p)
-        self.params = tree.unflatten(treedef, leaves)  # the tree apply reads: its leaves are the Parameters
+        self.params = tree.unflatten(treedef, leaves)  # its leaves are the Parameters
         self.paths = dict(zip(map(param_name, paths), paths, strict=True))  # parameter name -> ftitan path
+        self._runtime: tree.Tree | None = None  # what apply reads: params, linears packed (built lazily)
         cfg, head_dim = self.config, self.config.head_dim
         self.attn = tnn.ModuleList(
             Attention(cfg.n_heads, head_dim, head_dim**-0.5, num_kv_heads=cfg.n_kv_heads,
@@ -99,6 +136,16 @@ class FtitanForCausalLM(tnn.Module):
             for i in range(cfg.n_layers)
         )  # fmt: skip
         self.paged = PagedAttention(list(self.attn), head_dim**-0.5)
+
+    def runtime_params(self) -> tree.Tree:
+        """The tree ``apply`` reads: the parameters, with :data:`_PACKED` matrices prepacked for oneDNN
+        where vLLM has it; rebuilt after every weight load or push."""
+        if self._runtime is None:
+            pack = _packs()
+            self._runtime = tree.map_with_path(
+                lambda path, p: PackedLinear(p) if pack and p.dim() == 2 and path.rsplit(".", 1)[-1] in _PACKED else p,
+                self.params)  # fmt: skip
+        return self._runtime
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
         return nn.embed(input_ids, self.params["embed"])
@@ -114,54 +161,73 @@ class FtitanForCausalLM(tnn.Module):
             raise NotImplementedError("ftitan.vllm: pipeline parallelism inside vLLM is not supported")
         if inputs_embeds is not None:  # the same layers, entered after the embedding
             every = range(self.config.n_layers)
-            h, _, _ = self.model.stage(self.params, inputs_embeds[None], layers=every, first=False, last=True,
-                                       positions=positions[None], cache=self.paged)  # fmt: skip
+            h, _, _ = self.model.stage(self.runtime_params(), inputs_embeds[None], layers=every, first=False,
+                                       last=True, positions=positions[None], cache=self.paged)  # fmt: skip
         else:
-            h, _ = self.model.apply(self.params, input_ids[None], positions=positions[None], cache=self.paged,
-                                    logits=False)  # fmt: skip
+            h, _ = self.model.apply(self.runtime_params(), input_ids[None], positions=positions[None],
+                                    cache=self.paged, logits=False)  # fmt: skip
         return h[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (n, D) -> (n, V)
-        return nn.linear(hidden_states, self.model.head(self.params))
+        return nn.linear(hidden_states, self.model.head(self.runtime_params()))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (``hf.to_hf`` names) through each parameter's ``weight_loader``; returns
-        the parameter names loaded. Leaves HF stores split (Qwen3-MoE's per-expert tensors) are joined
-        with the family's table once all their pieces have arrived."""
-        maps = hf.family_of(self.config).weights(self.config)
+        the parameter names loaded. A parameter is loaded once all its pieces have arrived: tensors HF
+        stores split (Qwen3-MoE's per-expert ones) are joined by the family's table, and the leaves a
+        fused projection stacks (``q_proj``, ``k_proj``, ``v_proj`` -> ``wqkv``) are concatenated."""
+        family = hf.family_of(self.config)
+        maps = family.weights(self.config)
         by_name = {n: m for m in maps for n in m.names}
-        ignored = hf.family_of(self.config).ignored(self.config)
         live = dict(self.named_parameters())  # looked up now: vLLM's reload swaps parameters while loading
-        pending: dict[str, dict[str, torch.Tensor]] = {}
+        stacks: dict[str, list[str]] = {}  # fused path -> the leaves it stacks, in row order
+        for leaf, (fused, _, _) in sorted(self.slices.items(), key=lambda kv: kv[1][1]):
+            stacks.setdefault(fused, []).append(leaf)
+        split: dict[str, dict[str, torch.Tensor]] = {}  # leaf path -> its HF pieces so far
+        stacked: dict[str, dict[str, torch.Tensor]] = {}  # fused path -> its leaves so far
         loaded: set[str] = set()
         for name, tensor in weights:
             m = by_name.get(name)
             if m is None:
-                if any(tree.match(name, g) for g in ignored):
+                if any(tree.match(name, g) for g in family.ignored(self.config)):
                     continue
-                family = hf.family_of(self.config).name
-                raise KeyError(f"ftitan.vllm: checkpoint tensor {name!r} has no place in ftitan's {family} model")
-            parts = pending.setdefault(m.path, {})
-            parts[name] = tensor
-            if len(parts) == len(m.names):
-                joined = m.from_hf([parts[n] for n in m.names]) if m.from_hf else parts[name]
-                loaded.add(_load_leaf(live[param_name(m.path)], joined, m.path, m.names))
-                del pending[m.path]
-        if pending:
-            missing = {p: sorted(set(m.names) - set(pending[p])) for m in maps if (p := m.path) in pending}
-            raise KeyError(f"ftitan.vllm: incomplete checkpoint tensors for {missing}")
+                raise KeyError(f"ftitan.vllm: checkpoint tensor {name!r} has no place in ftitan's {family.name} model")
+            pieces = split.setdefault(m.path, {})
+            pieces[name] = tensor
+            if len(pieces) < len(m.names):
+                continue
+            leaf = m.from_hf([pieces[n] for n in m.names]) if m.from_hf else tensor
+            del split[m.path]
+            if m.path not in self.slices:
+                loaded.add(_load_leaf(live[param_name(m.path)], leaf, m.path, m.names))
+                continue
+            fused = self.slices[m.path][0]
+            leaves = stacked.setdefault(fused, {})
+            leaves[m.path] = leaf
+            if len(leaves) == len(stacks[fused]):
+                joined = torch.cat([leaves[p] for p in stacks[fused]])
+                loaded.add(_load_leaf(live[param_name(fused)], joined, fused, stacks[fused]))
+                del stacked[fused]
+        self._runtime = None  # repack at the next forward
+        if split or stacked:
+            missing = sorted({*split, *(p for f in stacked for p in stacks[f] if p not in stacked[f])})
+            raise KeyError(f"ftitan.vllm: incomplete checkpoint: no tensors yet for {missing}")
         return loaded
 
     @torch.no_grad()
     def copy_params_(self, params: tree.Tree) -> None:
-        """Copy a ftitan params tree into the parameters in place (dtype converted); ValueError, before
-        anything is copied, unless its paths and shapes are exactly this model's."""
-        new_paths, new_leaves, _ = tree.flatten_with_paths(params)
-        new = dict(zip(new_paths, new_leaves, strict=True))
+        """Copy a ftitan params tree (as training holds it, or already fused) into the parameters in
+        place (dtype converted); ValueError, before anything is copied, unless its paths and shapes are
+        exactly this model's."""
+        given = dict(zip(*tree.flatten_with_paths(params)[:2], strict=True))
+        if not {fused for fused, _, _ in self.slices.values()} & set(given):  # unfused: errors name its paths
+            _check_same_leaves(self.unfused_shapes, given)
+        fused = dict(zip(*tree.flatten_with_paths(fuse_projections(params))[:2], strict=True))
         mine = {path: getattr(self, name) for name, path in self.paths.items()}
-        _check_same_leaves(mine, new)
+        _check_same_leaves({path: p.shape for path, p in mine.items()}, fused)
         for path, p in mine.items():
-            p.copy_(new[path])
+            p.copy_(fused[path])
+        self._runtime = None  # repack at the next forward
 
 
 def _load_leaf(param: torch.Tensor, x: torch.Tensor, path: str, names: Sequence[str]) -> str:
@@ -172,13 +238,13 @@ def _load_leaf(param: torch.Tensor, x: torch.Tensor, path: str, names: Sequence[
     return param_name(path)
 
 
-def _check_same_leaves(mine: Mapping[str, torch.Tensor], new: Mapping[str, Any]) -> None:
+def _check_same_leaves(mine: Mapping[str, torch.Size], new: Mapping[str, Any]) -> None:
     def some(items: list[str]) -> str:
         return ", ".join(items[:6]) + (f", ... ({len(items) - 6} more)" if len(items) > 6 else "")
 
     missing, extra = sorted(set(mine) - set(new)), sorted(set(new) - set(mine))
-    shapes = [f"{p} {tuple(new[p].shape)} (engine {tuple(mine[p].shape)})"
-              for p in mine if p in new and tuple(getattr(new[p], "shape", ())) != tuple(mine[p].shape)]  # fmt: skip
+    shapes = [f"{p} {tuple(new[p].shape)} (engine {tuple(mine[p])})"
+              for p in mine if p in new and tuple(getattr(new[p], "shape", ())) != tuple(mine[p])]  # fmt: skip
     problems = [f"{what} [{some(items)}]" for what, items in
                 (("missing", missing), ("unexpected", extra), ("misshapen", shapes)) if items]  # fmt: skip
     if problems:

@@ -145,3 +145,20 @@ def test_fused_projections_compute_the_same_function(name):
     for path, (into, lo, hi) in ft.infer.fused_slices(params).items():
         leaf = dict(zip(tree.paths(params), tree.leaves(params), strict=True))[path]
         assert torch.equal(dict(zip(tree.paths(fused), tree.leaves(fused), strict=True))[into][lo:hi], leaf)
+
+
+def test_donated_steps_write_in_place_and_compute_the_pure_values_bitwise():
+    model = MODELS["llama"]
+    params = params_of(model)
+    tokens, lengths = padded(PROMPTS, "left")
+    pure = init_cache(model, params, batch=3, slots=tokens.shape[1] + 3)
+    donated = tree.map(torch.clone, pure)
+    want, pure = make_prefill(model)(params, tokens, pure, lengths=lengths, padding="left")
+    got, out = make_prefill(model, donate=True)(params, tokens, donated, lengths=lengths, padding="left")
+    assert torch.equal(got, want) and out.layers["1"]["k"] is donated.layers["1"]["k"]  # written in place
+    step, donating = make_decode_step(model), torch.compile(make_decode_step(model, donate=True), backend="aot_eager")
+    for token in ([1, 2, 3], [4, 5, 6]):
+        want, pure = step(params, torch.tensor(token), pure)
+        got, out = donating(params, torch.tensor(token), out)
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(tree.leaves(out), tree.leaves(pure), strict=True))
