@@ -64,3 +64,12 @@ def test_parallel_example_trains_on_four_ranks():
     assert len(losses) == 3, out
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
     assert "Layout(cp=2, tp=2)" in out and "layers.0.attn.wq     (tp, -)" in out, out
+
+
+def test_vllm_example_generates_the_same_tokens_natively_and_in_vllm():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_generate.py"), "--max-new-tokens", "8"],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "native == vllm: True" in out.stdout and "push_weights in" in out.stdout
+    changed = re.search(r"after push: (\d+)/3 completions changed", out.stdout)
+    assert changed and int(changed.group(1)) >= 1, out.stdout  # the pushed weights are the ones served
