@@ -49,8 +49,9 @@ def make_prefill(model: Any, *, donate: bool = False) -> PrefillFn:
     ``T``). ``cache`` must be fresh (:func:`~ftitan.infer.init_cache`, at
     least ``T`` slots). Each row's tokens get positions ``0 .. len - 1``
     whichever side its padding is on; the logits are those of its last real
-    token, equal to the full forward's (``apply(params, prompt)[:, -1]``). With ``donate`` the
-    cache passed in is consumed: its buffers are written in place (:class:`~ftitan.infer.cache.Donated`).
+    token, equal to the full forward's (``apply(params, prompt)[:, -1]``).
+    With ``donate`` the cache passed in is consumed: its buffers are written
+    in place (:class:`~ftitan.infer.cache.Donated`).
     """
 
     def prefill(

@@ -128,6 +128,7 @@ class FtitanForCausalLM(tnn.Module):
             leaves.append(p)
         self.params = tree.unflatten(treedef, leaves)  # its leaves are the Parameters
         self.paths = dict(zip(map(param_name, paths), paths, strict=True))  # parameter name -> ftitan path
+        self._treedef = treedef
         self._runtime: tree.Tree | None = None  # what apply reads: params, linears packed (built lazily)
         cfg, head_dim = self.config, self.config.head_dim
         self.attn = tnn.ModuleList(
@@ -142,13 +143,15 @@ class FtitanForCausalLM(tnn.Module):
         where vLLM has it; rebuilt after every weight load or push."""
         if self._runtime is None:
             pack = _packs()
+            # from the live attributes: vLLM's reload_weights may have put new Parameter objects there
+            self.params = tree.unflatten(self._treedef, [getattr(self, name) for name in self.paths])
             self._runtime = tree.map_with_path(
                 lambda path, p: PackedLinear(p) if pack and p.dim() == 2 and path.rsplit(".", 1)[-1] in _PACKED else p,
                 self.params)  # fmt: skip
         return self._runtime
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D)
-        return nn.embed(input_ids, self.params["embed"])
+        return nn.embed(input_ids, self.runtime_params()["embed"])
 
     def forward(
         self,

@@ -76,6 +76,19 @@ def test_prefix_cache_is_reset_by_push(setup):
     assert greedy(llm, prompts) == expected
 
 
+def test_vllm_reload_weights_from_hf_names_lands_in_the_fused_parameters(setup):
+    """vLLM's own reload path (HF-named tensors through ``load_weights``) also updates what the model
+    runs: q/k/v and gate/up pieces join into the fused parameters, packed GEMMs are rebuilt."""
+    t, llm, prompts = setup
+    new = ft.tree.map(lambda x: x * 0.7, t.params)
+    weights = ft.models.hf.to_hf(new, t.cfg)
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=iter(weights.items()),
+                                                     is_checkpoint_format=True))  # fmt: skip
+    llm.reset_prefix_cache()
+    assert greedy(llm, prompts) == ft.infer.generate(t.model, new, prompts, max_new_tokens=8)
+    fv.push_weights(llm, t.params)  # back to the module's weights for the other tests
+
+
 def test_mismatched_params_are_refused_and_nothing_is_copied(setup):
     t, llm, prompts = setup
     fv.push_weights(llm, t.params)
