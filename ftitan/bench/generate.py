@@ -22,7 +22,6 @@ then the vLLM ones (see ``_groups``).
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -31,7 +30,6 @@ from typing import Any
 
 import attrs
 import torch
-import tyro
 
 from ftitan.bench import timing
 
@@ -224,11 +222,7 @@ def run(opts: Options) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = tyro.cli(Options, args=argv, prog="ftitan bench generate", description=__doc__.split("\n\n")[0])
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.cwd() / ".cache" / "inductor"))
-    result = run(opts)
-    timing.emit(result, opts.out)
-    return 0
+    return timing.cli(Options, run, argv, prog="ftitan bench generate", doc=__doc__)
 
 
 if __name__ == "__main__":

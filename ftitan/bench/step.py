@@ -22,7 +22,6 @@ measured in the same run. Prints one JSON object (see DESIGN.md,
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,6 @@ from typing import Any
 
 import attrs
 import torch
-import tyro
 
 from ftitan.bench import peers, timing
 
@@ -189,11 +187,7 @@ def _llama_model_flops(cfg: dict[str, Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = tyro.cli(Options, args=argv, prog="ftitan bench step", description=__doc__.split("\n\n")[0])
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.cwd() / ".cache" / "inductor"))
-    result = run(opts)
-    timing.emit(result, opts.out)
-    return 0
+    return timing.cli(Options, run, argv, prog="ftitan bench step", doc=__doc__)
 
 
 if __name__ == "__main__":

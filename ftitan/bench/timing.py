@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "cli",
     "emit",
     "time_steps",
     "ratios",
@@ -196,3 +197,14 @@ def emit(result: Mapping[str, Any], out: Path | None) -> None:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(text + "\n")
         tmp.replace(out)
+
+
+def cli(options: type, run: Callable[[Any], Mapping[str, Any]], argv: list[str] | None, *, prog: str, doc: str) -> int:
+    """A benchmark's command line: parse ``options`` (tyro; ``doc``'s first paragraph is the help),
+    keep inductor's cache in ``./.cache/inductor`` unless set, ``run``, print (and ``--out``) the JSON."""
+    import tyro
+
+    opts = tyro.cli(options, args=argv, prog=prog, description=doc.split("\n\n")[0])
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.cwd() / ".cache" / "inductor"))
+    emit(run(opts), opts.out)
+    return 0
