@@ -109,15 +109,24 @@ def generate(
     cache = init_cache(model, params, batch=len(prompts), slots=tokens.shape[1] + max_new_tokens)
     prefill, decode_step = steps_for(model, compile=compile)
     logits, cache = prefill(params, tokens, cache, lengths=lengths, padding=padding)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [False] * len(prompts)
+    drawn: list[torch.Tensor] = []  # (B,) per step; read back once at the end unless EOS must be watched
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=tokens.device)
+    stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=tokens.device)
     for step in range(max_new_tokens):
-        nxt = sample(logits, None if keys is None else [random.fold_in(k, step) for k in keys], rows)
-        for i, t in enumerate(nxt.tolist()):
-            if not done[i]:
-                out[i].append(t)
-                done[i] = t in stop
-        if all(done) or step == max_new_tokens - 1:
+        nxt = logits.argmax(-1) if keys is None else sample(logits, [random.fold_in(k, step) for k in keys], rows)
+        drawn.append(nxt)
+        if stop:
+            done |= torch.isin(nxt, stop_ids)
+            if bool(done.all()):
+                break
+        if step == max_new_tokens - 1:
             break
         logits, cache = decode_step(params, nxt, cache)
-    return out
+    out = torch.stack(drawn, dim=1).tolist()
+    return [_until_stop(row, stop) for row in out]
+
+
+def _until_stop(row: list[int], stop: set[int]) -> list[int]:
+    """``row`` up to and including its first stop token."""
+    end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+    return row[:end]
