@@ -21,7 +21,7 @@ import torch
 from ftitan import nn
 from ftitan.infer.cache import Donated, KVCache
 
-__all__ = ["DecodeFn", "Padding", "PrefillFn", "make_decode_step", "make_prefill"]
+__all__ = ["DecodeFn", "GreedyFn", "Padding", "PrefillFn", "make_decode_step", "make_greedy_decode", "make_prefill"]
 
 Padding = Literal["left", "right"]
 PrefillFn = Callable[..., tuple[torch.Tensor, KVCache]]
@@ -99,3 +99,26 @@ def make_decode_step(model: Any, *, donate: bool = False) -> DecodeFn:
         return logits, KVCache(cache.layers, cache.start, cache.end + 1)
 
     return decode_step
+
+
+# (params, token (B,), cache) -> (the next `steps` greedy tokens (B, steps), logits after the last, cache)
+GreedyFn = Callable[[Any, torch.Tensor, KVCache], tuple[torch.Tensor, torch.Tensor, KVCache]]
+
+
+def make_greedy_decode(model: Any, *, steps: int, donate: bool = False) -> GreedyFn:
+    """``steps`` decode steps in one function, each feeding its argmax to the next: under
+    ``torch.compile`` one graph call per ``steps`` tokens, so the per-call costs (guards, wrapper)
+    are paid once for all of them. Token ``j`` is what ``decode_step`` + argmax would give."""
+    if steps < 1:
+        raise ValueError(f"make_greedy_decode: steps={steps} must be >= 1")
+    decode_step = make_decode_step(model, donate=donate)
+
+    def greedy_decode(params: Any, token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        tokens = []
+        for _ in range(steps):
+            logits, cache = decode_step(params, token, cache)
+            token = logits.argmax(-1)
+            tokens.append(token)
+        return torch.stack(tokens, dim=1), logits, cache
+
+    return greedy_decode

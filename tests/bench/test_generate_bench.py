@@ -7,13 +7,14 @@ from ftitan.bench import generate
 
 def test_quick_run_reports_decode_rates_ratios_and_goals(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["--quick", "--peers", "ftitan-compiled", "hf", "vllm-ftitan", "vllm-builtin", "--batches", "1", "2",
+    # one batch size: each one compiles ftitan's decode graphs anew (about 45 s on a cold inductor cache)
+    argv = ["--quick", "--peers", "ftitan-compiled", "hf", "vllm-ftitan", "vllm-builtin", "--batches", "2",
             "--warmup", "1", "--rounds", "1", "--out", str(out)]  # fmt: skip
     assert generate.main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
     assert printed["bench"] == "generate" and printed["config"]["quick"] is True
-    assert set(printed["results"]) == {"b1", "b2"} and printed["skipped"] == {}
+    assert set(printed["results"]) == {"b2"} and printed["skipped"] == {}
     for results in printed["results"].values():
         assert set(results) == {"ftitan-compiled", "hf", "vllm-ftitan", "vllm-builtin"}
         for r in results.values():
@@ -22,6 +23,5 @@ def test_quick_run_reports_decode_rates_ratios_and_goals(tmp_path, capsys):
     b2 = printed["results"]["b2"]
     want = b2["ftitan-compiled"]["decode_tokens_per_s"] / b2["hf"]["decode_tokens_per_s"]
     assert abs(printed["ratios"]["ftitan-compiled/hf@b2"] - want) < 1e-9
-    assert printed["goals"] == {"ftitan-compiled/hf@b1": 2.0, "ftitan-compiled/hf@b2": 2.0,
-                                "vllm-ftitan/vllm-builtin@b1": 0.9, "vllm-ftitan/vllm-builtin@b2": 0.9}  # fmt: skip
+    assert printed["goals"] == {"ftitan-compiled/hf@b2": 2.0, "vllm-ftitan/vllm-builtin@b2": 0.9}
     assert printed["met"] == all(printed["ratios"][k] >= v for k, v in printed["goals"].items())

@@ -64,12 +64,13 @@ def test_batched_equals_alone_and_compiled_equals_eager():
     assert generate(model, params, PROMPTS, max_new_tokens=8, compile="aot_eager") == batched
 
 
-def test_each_request_stops_at_its_eos_or_max_tokens():
+@pytest.mark.parametrize("compile", [False, "aot_eager"])  # compiled: greedy chunks of GREEDY_CHUNK tokens
+def test_each_request_stops_at_its_eos_or_max_tokens(compile):
     model = llama.model(LLAMA)
     params = params_of(model, 2)
     free = generate(model, params, PROMPTS, max_new_tokens=10)
     eos = free[1][3]  # the 4th token of request 1
-    stopped = generate(model, params, PROMPTS, max_new_tokens=10, eos_id=[eos, 127])
+    stopped = generate(model, params, PROMPTS, max_new_tokens=10, eos_id=[eos, 127], compile=compile)
     for f, s in zip(free, stopped, strict=True):
         cut = next((i + 1 for i, t in enumerate(f) if t in (eos, 127)), len(f))
         assert s == f[:cut]
