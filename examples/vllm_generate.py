@@ -14,13 +14,13 @@ import time
 
 import attrs
 
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs each engine's whole config at INFO; read at import
+
 import ftitan as ft
 import ftitan.vllm  # before vllm: points vLLM's caches at the repo's .cache/, in-process engines
 from ftitan.models import llama
 from ftitan.train.trainer import load_run
 from vllm import SamplingParams
-
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM logs each engine's whole config at INFO
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--run", default=None, help="an ftitan run directory (default: a random byte-level Llama)")

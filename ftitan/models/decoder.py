@@ -262,7 +262,7 @@ def run_stage(
     for i in layers:  # explicit order: dict/optree order would put "10" before "2"
         attend, written = layer_attention(cache, i)
         h, s = block(i, params["layers"][str(i)], h, attend)
-        cache = written() if cache is not None else None
+        cache = written()
         if s is not None:
             stats[i] = s
     h = par.column_input(norm(cfg, h, params["norm"])) if last else h
