@@ -182,10 +182,16 @@ def rope_cos_sin(
     positions: torch.Tensor,  # (T,) or (B, T) int
     inv_freq: torch.Tensor,  # (Dh // 2,) float32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) or (B, T, Dh) float32
-    """``cos``/``sin`` of ``position * inv_freq``, frequencies repeated twice (rotate-half layout)."""
+    """``cos``/``sin`` of ``position * inv_freq``, frequencies repeated twice (rotate-half layout).
+
+    Both come from one stacked tensor: inductor stores it once per call and every layer's rotation
+    reads it, forward and backward. Returned separately, ``cos``/``sin`` would be inlined and
+    re-evaluated inside each layer's q and k kernels.
+    """
     angles = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)
     emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos(), emb.sin()
+    cos_sin = torch.stack((emb.cos(), emb.sin()))
+    return cos_sin[0], cos_sin[1]
 
 
 def rope_frequencies(

@@ -81,8 +81,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Tran
 
         def direction(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
             if m.dtype not in corrections:  # once per moment dtype, not per leaf
-                bc2 = bias_correction(b2, step, m.dtype)
-                corrections[m.dtype] = (bias_correction(b1, step, m.dtype), bc2.sqrt())
+                # stacked, inductor stores both in one small buffer that every leaf's loop reads; as lone
+                # 0-d values it would inline expm1 and sqrt into every loop, re-evaluated per 8 elements
+                # (an AdamW update of 32M parameters took 96 ms instead of 43 ms on two CPU cores)
+                bc = torch.stack((bias_correction(b1, step, m.dtype), bias_correction(b2, step, m.dtype).sqrt()))
+                corrections[m.dtype] = (bc[0], bc[1])
             bc1, bc2_sqrt = corrections[m.dtype]
             return ((m / bc1) / (v.sqrt() / bc2_sqrt + eps)).to(g.dtype)
 

@@ -94,3 +94,26 @@ def test_invalid_scaling_is_refused():
         nn.Llama3RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
     with pytest.raises(ValueError, match="head_dim=7"):
         nn.rope_inv_freq(7, 10_000.0)
+
+
+def test_compiled_model_evaluates_cos_sin_once():
+    """Every layer rotates q and k by the same tables: a compiled forward + backward evaluates cos and
+    sin once, not inside each layer's kernels (as it did when they were returned as separate values)."""
+    import attrs
+    from torch._inductor.utils import run_and_get_code
+
+    import ftitan as ft
+    from ftitan.models import llama
+
+    cfg = attrs.evolve(llama.Config.debug(), vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                       max_seq_len=16)  # fmt: skip
+    model = llama.model(cfg)
+    params = model.init(ft.random.key(0))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    grad_fn = torch.func.grad_and_value(ft.train.next_token_loss(model), has_aux=True)
+    torch._dynamo.reset()
+    (_, (loss, _)), codes = run_and_get_code(torch.compile(grad_fn, fullgraph=True), params,
+                                             {"inputs": tokens, "targets": tokens})  # fmt: skip
+    torch.testing.assert_close(loss, grad_fn(params, {"inputs": tokens, "targets": tokens})[1][0])
+    src = "\n".join(codes)
+    assert (src.count(".cos()"), src.count(".sin()")) == (1, 1), "cos/sin evaluated more than once"
