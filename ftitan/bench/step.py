@@ -4,8 +4,8 @@ Measures tokens/s of a full fwd + bwd + AdamW step of one Llama 3 config
 (dim 512, 8 layers, 8 heads, 2 KV heads, seq 256, batch 4, vocab 8192, fp32)
 for, in the same process, alternating after warm-up:
 
-- ``ftitan-compiled``: ``torch.compile(make_train_step(...), fullgraph=True)``
-- ``ftitan-eager``: the same pure step, uncompiled
+- ``ftitan-compiled``: ``torch.compile(make_train_step(..., donate=True), fullgraph=True)``
+- ``ftitan-eager``: the same step, uncompiled
 - ``hf-eager`` / ``hf-compiled``: ``transformers.LlamaForCausalLM`` +
   ``torch.optim.AdamW`` (the model under ``torch.compile`` for the latter)
 - ``torchtitan-eager`` / ``torchtitan-compiled``: TorchTitan 0.3.0's own
@@ -99,7 +99,8 @@ def ftitan_step(cfg: dict[str, Any], *, compile: bool, seed: int = 0) -> Callabl
         peers.DEFAULT_LR, b1=peers.ADAMW_BETAS[0], b2=peers.ADAMW_BETAS[1], eps=peers.ADAMW_EPS,
         weight_decay=peers.ADAMW_WEIGHT_DECAY,
     )
-    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+    # donated, as the trainer runs it: params and moments updated in place, like the peers' torch.optim
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True)
     if compile:
         step = torch.compile(step, fullgraph=True)
     tokens = peers.make_batch(cfg, seed=seed)

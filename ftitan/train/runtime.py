@@ -63,7 +63,8 @@ class Runtime:
         self, model: Model, loss_fn: Any, opt: Any, *, accum_steps: int, compile: bool, update_buffers: Any
     ) -> Callable:
         if self.layout is None:
-            step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers)
+            # the loop never reads a state twice: the step writes the new one into its buffers
+            step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True)
             return torch.compile(step, fullgraph=True) if compile else step
         if accum_steps != 1:
             raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "

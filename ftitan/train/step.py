@@ -82,6 +82,7 @@ def make_train_step(
     accum_steps: int = 1,
     grad_impl: str = "func",
     update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
+    donate: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A pure train step: ``step(state, batch) -> (state, metrics)``.
 
@@ -99,6 +100,14 @@ def make_train_step(
     ``optim.freeze(model.frozen)``.
     Wrap it in ``torch.compile(step, fullgraph=True)``; all changing values
     (step, lr) are tensors, so it does not recompile.
+
+    ``donate=True`` consumes the state passed in (JAX's buffer donation): the
+    new params and optimizer state are written into its buffers, which the
+    returned state holds. A compiled step then updates them in place, as
+    torch's optimizers do, instead of writing a fresh copy of every parameter
+    and moment (an AdamW update of 32M parameters: 26 ms against 46 ms on two
+    CPU cores). The values are the same; only the old state is gone, so do
+    not read it after the call (``state, m = step(state, batch)`` is safe).
     """
     if accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps={accum_steps} must be >= 1")
@@ -124,6 +133,8 @@ def make_train_step(
             metrics["lr"] = lr
         if update_buffers is not None:
             params = update_buffers(params, metrics)
+        if donate:  # the step boundary: the only place a step writes into its input
+            params, opt_state = T.map(torch.Tensor.copy_, (state.params, state.opt_state), (params, opt_state))
         return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
     return step
