@@ -39,8 +39,11 @@ def single_losses(tmp_path_factory) -> list[float]:
 
 @pytest.mark.parametrize(
     "flags",
-    [("--parallel.dp-shard", "2", "--parallel.tp", "2"), ("--parallel.pp", "2", "--parallel.dp-shard", "2")],
-    ids=["dp_shard2_tp2", "pp2_dp_shard2"],
+    [
+        pytest.param(("--parallel.dp-shard", "2", "--parallel.tp", "2"), id="dp_shard2_tp2"),
+        # slow: the same CLI path; pp steps against one process run in the grouped launch (_checks_pp)
+        pytest.param(("--parallel.pp", "2", "--parallel.dp-shard", "2"), id="pp2_dp_shard2", marks=pytest.mark.slow),
+    ],
 )
 def test_parallel_run_from_the_cli_matches_the_single_process_run(tmp_path, single_losses, flags):
     par = _torchrun(*ARGS, *flags, "--run-dir", str(tmp_path / "par"))
@@ -61,6 +64,7 @@ def test_degrees_that_do_not_multiply_to_the_world_size_fail_at_start(tmp_path):
     assert not (tmp_path / "bad").exists()  # nothing was written
 
 
+@pytest.mark.slow  # the CLI path above with an EP recipe; EP steps vs one process run in the grouped launch
 def test_expert_parallel_recipe_matches_the_single_process_run(tmp_path):
     # deepseek-v3-debug-ep: ep 2 x dp_shard 2; aux-loss-free bias updates from the global load
     args = ["--recipe", "deepseek-v3-debug-ep", "--model.n-layers", "2", "--data.seq-len", "64", "--steps", "3",
