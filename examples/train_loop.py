@@ -30,7 +30,8 @@ if args.optimizer == "muon":  # Muon on hidden matrices, AdamW on embeddings/hea
 else:
     inner = ft.optim.adamw(lr, weight_decay=0.1)
 opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), inner)
-step = ft.train.make_train_step(ft.train.next_token_loss(model), opt)
+# donate: each step writes the new params and optimizer state into the old state's buffers (in place)
+step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True)
 if not args.no_compile:
     step = torch.compile(step, fullgraph=True)
 state = ft.train.init_state(params, opt)
