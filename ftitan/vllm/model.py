@@ -182,6 +182,7 @@ class FtitanForCausalLM(tnn.Module):
         family = hf.family_of(self.config)
         maps = family.weights(self.config)
         by_name = {n: m for m in maps for n in m.names}
+        ignored = family.ignored(self.config)
         live = dict(self.named_parameters())  # looked up now: vLLM's reload swaps parameters while loading
         stacks: dict[str, list[str]] = {}  # fused path -> the leaves it stacks, in row order
         for leaf, (fused, _, _) in sorted(self.slices.items(), key=lambda kv: kv[1][1]):
@@ -192,7 +193,7 @@ class FtitanForCausalLM(tnn.Module):
         for name, tensor in weights:
             m = by_name.get(name)
             if m is None:
-                if any(tree.match(name, g) for g in family.ignored(self.config)):
+                if any(tree.match(name, g) for g in ignored):
                     continue
                 raise KeyError(f"ftitan.vllm: checkpoint tensor {name!r} has no place in ftitan's {family.name} model")
             pieces = split.setdefault(m.path, {})
