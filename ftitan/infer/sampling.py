@@ -75,7 +75,9 @@ def sample(
     if keys is None or len(keys) != b:
         raise ValueError(f"sample: sampling needs one key per row ({b}), got {None if keys is None else len(keys)}")
     probs, order = _filtered_probs(logits, rows)
-    noise = torch.stack([random.exponential(k, (logits.shape[-1],), device=logits.device) for k in keys])
+    # one batched draw (vmap over the row keys: bit-equal to drawing each row's noise alone)
+    row_keys = keys if isinstance(keys, torch.Tensor) else torch.stack(list(keys))
+    noise = torch.func.vmap(lambda k: random.exponential(k, (logits.shape[-1],), device=logits.device))(row_keys)
     choice = (probs / noise).argmax(-1, keepdim=True)
     drawn = order.gather(-1, choice)[:, 0]
     is_greedy = torch.tensor([r.greedy for r in rows], device=logits.device)

@@ -117,7 +117,10 @@ def init(
     """Params for a spec tree; leaf ``path`` is drawn from ``random.fold_in(key, path)``.
 
     A lone ``Param`` (empty path) is drawn from ``key`` itself. With
-    ``device="meta"`` only shapes are built: nothing is allocated.
+    ``device="meta"`` only shapes are built: nothing is allocated. Nothing
+    reads the key's value in Python, so ``torch.func.vmap(lambda k: init(specs, k))(keys)``
+    gives one init per key (the stack of single inits) and ``init`` compiles
+    with ``fullgraph=True``.
     """
     _check_specs(specs)
 
