@@ -13,7 +13,7 @@ from ftitan.optim.transform import EmptyState, Params, Transform, Updates
 __all__ = ["clip_by_global_norm"]
 
 
-def clip_by_global_norm(max_norm: float) -> Transform:
+def clip_by_global_norm(max_norm: float | torch.Tensor) -> Transform:
     """Scales all updates by ``max_norm / max(norm, max_norm)``, ``norm`` their global L2 norm.
 
     Updates with ``norm <= max_norm`` pass unchanged (the factor is exactly 1);
@@ -21,9 +21,10 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     accumulated in float32 (float64 if any leaf is float64) and the factor is
     a 0-d tensor, so there is no data-dependent branch to break a compiled
     graph. (torch.nn.utils.clip_grad_norm_ divides by ``norm + 1e-6``
-    instead, a relative difference of ``1e-6 / norm``.)
+    instead, a relative difference of ``1e-6 / norm``.) ``max_norm`` may be
+    a 0-d tensor (:func:`~ftitan.optim.inject_hyperparams`).
     """
-    if (
+    if not isinstance(max_norm, torch.Tensor) and (
         isinstance(max_norm, bool)
         or not isinstance(max_norm, (int, float))
         or not (max_norm > 0 and math.isfinite(max_norm))
@@ -37,7 +38,8 @@ def clip_by_global_norm(max_norm: float) -> Transform:
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
         del params
         norm = tree.global_norm(grads)
-        factor = max_norm / torch.clamp(norm, min=max_norm)
+        bound = max_norm.to(norm) if isinstance(max_norm, torch.Tensor) else max_norm
+        factor = bound / torch.clamp(norm, min=bound)
         return tree.map(lambda g: g * factor.to(g.device), grads), state
 
     return Transform(init, update)

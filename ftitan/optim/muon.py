@@ -25,16 +25,45 @@ from ftitan import tree
 from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
 from ftitan.optim.schedules import Schedule
-from ftitan.optim.transform import Params, Transform, Updates, accumulator_dtype, chain
+from ftitan.optim.transform import Params, Transform, Updates, accumulator_dtype, chain, state_device
 from ftitan.optim.weight_decay import add_decayed_weights
 
-__all__ = ["MuonState", "ShapeScaling", "muon", "muon_shape_scale", "scale_by_muon"]
+__all__ = ["MuonState", "NesterovStyle", "ShapeScaling", "muon", "muon_shape_scale", "scale_by_muon"]
 
 ShapeScaling = Literal["original", "match_rms_adamw"]
+NesterovStyle = Literal["torch", "optax"]
 
 
 class MuonState(NamedTuple):
     momentum: Params  # momentum buffers, float32 (float64 for float64 params)
+    count: torch.Tensor | None = None  # () int64 updates so far; only with nesterov_style="optax"
+
+
+def _newton_schulz_input(
+    g: torch.Tensor,
+    buf: torch.Tensor,
+    momentum: float,
+    nesterov: bool,
+    style: NesterovStyle,
+    count: torch.Tensor | None,
+) -> torch.Tensor:
+    """What Newton-Schulz orthogonalizes, from the gradient and the updated buffer.
+
+    ``"torch"`` (torch.optim.Muon, Jordan's reference): ``lerp(g, B, mu)``
+    with Nesterov, else ``B``, uncorrected. ``"optax"`` (optax.contrib.muon)
+    bias-corrects like Adam: ``mu * B / (1 - mu^(t+1)) + (1 - mu) * g / (1 - mu^t)``
+    with Nesterov, else ``B / (1 - mu^t)``. Without Nesterov the two differ
+    by a scalar per matrix, which the normalization in Newton-Schulz removes
+    (up to its ``eps``); with it, the mix of ``g`` and ``B`` differs early on.
+    """
+    if style == "torch":
+        return torch.lerp(g, buf, momentum) if nesterov else buf
+    assert count is not None
+    t = count.to(buf.dtype)
+    bc = lambda k: -torch.expm1(k * math.log(momentum)) if momentum > 0 else torch.ones_like(k)  # noqa: E731
+    if not nesterov:
+        return buf / bc(t)
+    return momentum * (buf / bc(t + 1)) + (1.0 - momentum) * (g / bc(t))
 
 
 def muon_shape_scale(rows: int, cols: int, shape_scaling: ShapeScaling = "original") -> float:
@@ -60,16 +89,24 @@ def scale_by_muon(
     *,
     coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
     eps: float = 1e-7,
+    nesterov_style: NesterovStyle = "torch",
 ) -> Transform:
     """Momentum then orthogonalization, scaled by :func:`muon_shape_scale`, as the update.
 
     Every leaf must have ndim >= 2 (route vectors elsewhere with
     :func:`ftitan.optim.multi_transform`, e.g. :func:`muon_with_adamw`).
     Same-shape matrices, from any leaves, share one batched Newton-Schulz
-    call. Updates come back in the gradient dtype.
+    call. Updates come back in the gradient dtype. ``eps`` clamps the
+    Frobenius norm Newton-Schulz divides by. ``nesterov_style`` picks the
+    momentum convention: ``"torch"`` (default; torch.optim.Muon's
+    uncorrected ``lerp(g, B, mu)``) or ``"optax"`` (optax.contrib.muon's
+    bias-corrected mix; the state then also counts steps), see
+    ``_newton_schulz_input``.
     """
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise ValueError(f"momentum={momentum!r}: expected a float in [0, 1)")
+    if nesterov_style not in ("torch", "optax"):
+        raise ValueError(f"nesterov_style={nesterov_style!r}: expected 'torch' (torch.optim.Muon) or 'optax'")
     muon_shape_scale(1, 1, shape_scaling)  # validates shape_scaling now, not at the first step
 
     def init(params: Params) -> MuonState:
@@ -81,12 +118,16 @@ def scale_by_muon(
                 )
             return torch.zeros_like(p, dtype=accumulator_dtype(p))
 
-        return MuonState(momentum=tree.map_with_path(zeros, params))
+        momentum_bufs = tree.map_with_path(zeros, params)
+        if nesterov_style == "torch":
+            return MuonState(momentum=momentum_bufs)
+        return MuonState(momentum=momentum_bufs, count=torch.zeros((), dtype=torch.int64, device=state_device(params)))
 
     def update(grads: Updates, state: MuonState, params: Params | None = None) -> tuple[Updates, MuonState]:
         del params
         paths, gs, treedef = tree.flatten_with_paths(grads)
         bufs = tree.leaves(state.momentum)
+        count = None if state.count is None else state.count + 1
         new_bufs, inputs = [], []
         for path, g, buf in zip(paths, gs, bufs, strict=True):
             if g.ndim < 2:
@@ -94,7 +135,7 @@ def scale_by_muon(
             g32 = g.to(buf.dtype)
             buf = torch.lerp(buf, g32, 1.0 - momentum)
             new_bufs.append(buf)
-            inputs.append(torch.lerp(g32, buf, momentum) if nesterov else buf)
+            inputs.append(_newton_schulz_input(g32, buf, momentum, nesterov, nesterov_style, count))
 
         # group leaves by matrix shape (static), orthogonalize each group in one call
         groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
@@ -115,15 +156,15 @@ def scale_by_muon(
             for i, piece in zip(idx, pieces, strict=True):
                 # cast before scaling: scaling in bf16 would round a second time
                 outputs[i] = piece.reshape(gs[i].shape).to(gs[i].dtype) * factor
-        new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum), new_bufs))
+        new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum), new_bufs), count=count)
         return tree.unflatten(treedef, outputs), new_state
 
     return Transform(init, update)
 
 
 def muon(
-    lr: float | Schedule,
-    weight_decay: float = 0.1,
+    lr: float | torch.Tensor | Schedule,
+    weight_decay: float | torch.Tensor = 0.1,
     momentum: float = 0.95,
     nesterov: bool = True,
     ns_steps: int = 5,
@@ -132,6 +173,7 @@ def muon(
     *,
     coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
     eps: float = 1e-7,
+    nesterov_style: NesterovStyle = "torch",
 ) -> Transform:
     """Muon with decoupled weight decay, torch.optim.Muon's semantics (Jordan 2024; Liu 2025).
 
@@ -148,6 +190,7 @@ def muon(
             shape_scaling=shape_scaling,
             coefficients=coefficients,
             eps=eps,
+            nesterov_style=nesterov_style,
         ),
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),

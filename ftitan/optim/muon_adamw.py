@@ -16,7 +16,7 @@ import torch
 from ftitan import tree
 from ftitan.optim.adam import adamw
 from ftitan.optim.multi_transform import Labels, multi_transform, resolve_labels
-from ftitan.optim.muon import ShapeScaling, muon
+from ftitan.optim.muon import NesterovStyle, ShapeScaling, muon
 from ftitan.optim.schedules import Schedule
 from ftitan.optim.transform import Params, Transform
 
@@ -77,6 +77,8 @@ def muon_with_adamw(
     b2: float = 0.95,
     eps: float = 1e-8,
     labels: Labels = muon_label,
+    ns_eps: float = 1e-7,
+    nesterov_style: NesterovStyle = "torch",
 ) -> Transform:
     """Muon on hidden matrices, AdamW on embeddings, head, norms and biases.
 
@@ -84,7 +86,9 @@ def muon_with_adamw(
     ``adamw_lr`` and ``adamw_weight_decay`` default to ``lr`` and
     ``weight_decay``, which suits ``shape_scaling="match_rms_adamw"``
     (Moonlight); with ``"original"`` Muon lrs are ~10-100x AdamW's, so pass
-    ``adamw_lr``. AdamW betas default to (0.9, 0.95) as in Moonlight.
+    ``adamw_lr``. AdamW betas default to (0.9, 0.95) as in Moonlight; ``eps``
+    is AdamW's, ``ns_eps`` Newton-Schulz's norm clamp, and
+    ``nesterov_style`` Muon's momentum convention (see :func:`scale_by_muon`).
     Given ``params`` (or ``None``), the labels are resolved and checked now,
     so a bad labelling fails at construction rather than in the first step.
     """
@@ -102,6 +106,8 @@ def muon_with_adamw(
                 ns_steps=ns_steps,
                 ns_dtype=ns_dtype,
                 shape_scaling=shape_scaling,
+                eps=ns_eps,
+                nesterov_style=nesterov_style,
             ),
             "adamw": adamw(
                 lr if adamw_lr is None else adamw_lr,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ftitan.optim.adam import adamw
+from ftitan.optim.adam import adam, adamw
 from ftitan.optim.muon import muon
 from ftitan.optim.muon_adamw import muon_with_adamw
 from ftitan.optim.schedules import Schedule
@@ -29,6 +29,10 @@ def _sgd_momentum(lr: float | Schedule = 1e-2) -> Transform:
     return sgd(lr, momentum=0.9, nesterov=True)
 
 
+def _adam(lr: float | Schedule = 3e-4) -> Transform:
+    return adam(lr)
+
+
 def _adamw(lr: float | Schedule = 3e-4) -> Transform:
     return adamw(lr, weight_decay=0.1)
 
@@ -44,6 +48,7 @@ def _muon_with_adamw(lr: float | Schedule = 1e-3) -> Transform:
 OPTIMIZERS: dict[str, Callable[..., Transform]] = {
     "sgd": _sgd,
     "sgd-momentum": _sgd_momentum,
+    "adam": _adam,
     "adamw": _adamw,
     "muon": _muon,
     "muon_with_adamw": _muon_with_adamw,

@@ -38,7 +38,9 @@ __all__ = [
     "apply_updates",
     "chain",
     "identity",
+    "scalar_dtype",
     "scale",
+    "set_to_zero",
     "state_device",
 ]
 
@@ -72,6 +74,14 @@ def state_device(params: Params) -> torch.device:
         if tree.is_tensor(x):
             return x.device
     return torch.device("cpu")
+
+
+def scalar_dtype(params: Params) -> torch.dtype:
+    """Dtype of 0-d hyperparameter state (learning rates, injected values): float64 if any
+    leaf is float64 (so float64 updates are scaled exactly), else float32."""
+    if any(tree.is_tensor(x) and x.dtype == torch.float64 for x in tree.leaves(params)):
+        return torch.float64
+    return torch.float32
 
 
 def accumulator_dtype(x: torch.Tensor) -> torch.dtype:
@@ -127,8 +137,26 @@ def chain(*transforms: Transform) -> Transform:
     return Transform(init, update)
 
 
-def scale(factor: float) -> Transform:
-    """Multiplies the updates by a constant ``factor``."""
+def set_to_zero() -> Transform:
+    """Replaces every update by zeros (optax's ``set_to_zero``); allocates no state.
+
+    Route leaves to it with :func:`~ftitan.optim.multi_transform`, or use
+    :func:`~ftitan.optim.selective_transform` / :func:`~ftitan.optim.freeze`.
+    """
+
+    def init(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        del params
+        return tree.map(torch.zeros_like, grads), state
+
+    return Transform(init, update)
+
+
+def scale(factor: float | torch.Tensor) -> Transform:
+    """Multiplies the updates by ``factor`` (a float, or a 0-d tensor under ``inject_hyperparams``)."""
 
     def init(params: Params) -> EmptyState:
         del params

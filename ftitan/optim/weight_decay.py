@@ -37,14 +37,19 @@ def _mask_fn(mask: Mask | None) -> Callable[[str, Any], bool]:
     )
 
 
-def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Transform:
+def add_decayed_weights(weight_decay: float | torch.Tensor, mask: Mask | None = None) -> Transform:
     """Adds ``weight_decay * param`` to the update of each param ``mask`` selects.
 
     ``mask`` is a predicate ``(path, leaf) -> bool`` or glob pattern(s) over
     dotted paths (``"**.w?"``); ``None`` decays every leaf. Paths and shapes
-    are static, so masking costs nothing under ``torch.compile``.
+    are static, so masking costs nothing under ``torch.compile``. A 0-d
+    tensor ``weight_decay`` (:func:`~ftitan.optim.inject_hyperparams`) is
+    read at every update.
     """
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0:
+    injected = isinstance(weight_decay, torch.Tensor)
+    if not injected and (
+        isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or weight_decay < 0
+    ):
         raise ValueError(f"weight_decay={weight_decay!r}: expected a float >= 0")
     selected = _mask_fn(mask)
 
@@ -53,13 +58,17 @@ def add_decayed_weights(weight_decay: float, mask: Mask | None = None) -> Transf
         return EmptyState()
 
     def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
-        if weight_decay == 0:
+        if not injected and weight_decay == 0:
             return grads, state
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
 
         def one(path: str, g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-            return torch.add(g, p.to(g.dtype), alpha=weight_decay) if selected(path, p) else g
+            if not selected(path, p):
+                return g
+            if injected:
+                return g + weight_decay * p.to(g.dtype)  # type: ignore[operator]
+            return torch.add(g, p.to(g.dtype), alpha=weight_decay)
 
         return tree.map_with_path(one, grads, params), state
 

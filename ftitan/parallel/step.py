@@ -202,7 +202,7 @@ def make_train_step(
             "grad_norm": grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm,
             **_merge_aux(aux, layout),
         }
-        lr = optim.current_lr(opt_state)
+        lr = optim.find_lr(opt_state)  # None for an optimizer without a learning-rate stage
         if lr is not None:
             metrics["lr"] = lr.full_tensor() if isinstance(lr, DTensor) else lr
         if update_buffers is not None:

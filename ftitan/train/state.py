@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ftitan import random, tree
+from ftitan.optim.masking import check_mask_matches, select
 
-__all__ = ["TrainState", "init_state"]
+__all__ = ["Trainable", "TrainState", "init_state", "trainable_params"]
+
+Trainable = str | Sequence[str] | Callable[[str, Any], bool]
+"""Which leaves train: glob pattern(s) over dotted paths, or ``(path, leaf) -> bool``."""
 
 
 class TrainState(NamedTuple):
@@ -20,12 +25,29 @@ class TrainState(NamedTuple):
     rng: torch.Tensor  # a key from ftitan.random, for dropout / sampling in the step
 
 
-def init_state(params: Any, optimizer: Any, *, rng: torch.Tensor | None = None) -> TrainState:
-    """A fresh ``TrainState`` for ``params`` and ``optimizer`` (a ``Transform``)."""
+def trainable_params(params: Any, trainable: Trainable) -> dict[str, Any]:
+    """The leaves ``trainable`` selects, as a flat ``{dotted path: leaf}`` dict (what the
+    optimizer sees in ``make_train_step(..., trainable=...)``). A glob that selects no
+    leaf raises, naming it and some paths."""
+    if not torch.compiler.is_compiling():
+        check_mask_matches(trainable, params, "trainable")
+    paths, keep, _ = select(trainable, params)
+    return {p: x for p, x, k in zip(paths, tree.leaves(params), keep, strict=True) if k}
+
+
+def init_state(
+    params: Any, optimizer: Any, *, rng: torch.Tensor | None = None, trainable: Trainable | None = None
+) -> TrainState:
+    """A fresh ``TrainState`` for ``params`` and ``optimizer`` (a ``Transform``).
+
+    With ``trainable`` (the same value given to ``make_train_step``) the
+    optimizer state covers the selected leaves only: frozen leaves have no
+    optimizer state.
+    """
     return TrainState(
         step=torch.zeros((), dtype=torch.int64),
         params=params,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init(params if trainable is None else trainable_params(params, trainable)),
         rng=random.key(0) if rng is None else rng,
     )
 

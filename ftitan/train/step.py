@@ -9,6 +9,7 @@ activation rematerialization (``torch.utils.checkpoint``, torch-remat) uses.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,9 @@ import torch
 
 from ftitan import optim
 from ftitan import tree as T
-from ftitan.train.state import TrainState
+from ftitan.optim.masking import select
+from ftitan.optim.transform import scalar_dtype
+from ftitan.train.state import Trainable, TrainState
 
 __all__ = ["make_train_step", "value_and_grad"]
 
@@ -66,13 +69,39 @@ def _split(batch: Any, n: int) -> list[Any]:
     return [T.map(lambda x, i=i: x[i * (b // n) : (i + 1) * (b // n)], batch) for i in range(n)]
 
 
-def _mean_aux(auxes: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    # counts (integer tensors) add up over micro-batches, statistics average
-    def merge(*xs: torch.Tensor) -> torch.Tensor:
-        s = torch.stack(xs)
-        return s.sum(0) if not s.is_floating_point() else s.mean(0)
+def _weight(aux: Any) -> torch.Tensor | float:
+    """A micro-batch's weight in the accumulated mean: its target-token count when the loss reports one."""
+    return aux["n_tokens"] if isinstance(aux, dict) and "n_tokens" in aux else 1.0
 
-    return T.map(merge, *auxes)
+
+def _accumulate(grad_fn: GradFn, params: Any, batch: Any, n: int) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
+    """Gradients, loss and float aux averaged over ``n`` micro-batches, weighted by target tokens
+    (``optim.update_weighted_mean``, the rule ``optim.MultiSteps`` uses); integer aux (counts) add up."""
+    mean: Any = None
+    total = counts = None
+    for micro in _split(batch, n):
+        g, (loss, aux) = grad_fn(params, micro)
+        floats = {k: v for k, v in aux.items() if v.is_floating_point()}
+        ints = {k: v for k, v in aux.items() if not v.is_floating_point()}
+        if mean is None:
+            mean = T.map(torch.zeros_like, (g, loss, floats))
+            total = torch.zeros((), dtype=scalar_dtype(g), device=loss.device)
+        mean, total = optim.update_weighted_mean(mean, total, (g, loss, floats), _weight(aux))
+        counts = ints if counts is None else T.map(torch.add, counts, ints)
+    grads, loss, floats = mean
+    return grads, loss, {**floats, **(counts or {})}
+
+
+def _takes_weight(optimizer: optim.Transform) -> bool:
+    try:
+        return "weight" in inspect.signature(optimizer.update).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _donate(old: Any, new: Any) -> Any:
+    # a leaf the step did not replace (a frozen param) is already in place
+    return T.map(lambda o, n: o if n is o else o.copy_(n), old, new)
 
 
 def make_train_step(
@@ -83,23 +112,41 @@ def make_train_step(
     grad_impl: str = "func",
     update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
     donate: bool = False,
+    trainable: Trainable | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A pure train step: ``step(state, batch) -> (state, metrics)``.
 
     ``loss_fn(params, batch) -> (loss, aux)`` with ``aux`` a dict of tensors.
     With ``accum_steps > 1`` the batch is split along dim 0 into equal
-    micro-batches whose gradients are averaged (equal to the full batch when
-    the loss is a per-micro-batch mean over equally many tokens).
+    micro-batches whose gradients (and loss and float aux) are averaged,
+    weighted by ``aux["n_tokens"]`` when the loss reports it: for a
+    token-mean loss (``next_token_loss``) that is the full batch's gradient
+    even when the micro-batches hold different numbers of target tokens.
+    The rule is ``optim.update_weighted_mean``, the one ``optim.MultiSteps``
+    uses; an optimizer whose ``update`` takes ``weight`` (``MultiSteps``) is
+    passed ``aux["n_tokens"]``, so ``MultiSteps(opt, k)`` over ``k`` steps of
+    micro-batches weights them the same way.
 
-    ``metrics`` holds ``loss``, ``grad_norm`` (before any clipping), ``lr``
-    (when the optimizer has a learning-rate stage) and ``aux``'s entries.
+    ``trainable`` (glob(s) or ``(path, leaf) -> bool``) differentiates only
+    the selected leaves: the others get no gradient tensor, no optimizer
+    state and stay bit-identical (the same tensors); the optimizer sees a
+    flat ``{dotted path: leaf}`` dict of the trainable leaves, and clipping
+    and ``grad_norm`` cover them only. Build the state with
+    ``init_state(params, optimizer, trainable=<the same value>)``.
+
+    ``metrics`` holds ``loss``, ``grad_norm`` (of the differentiated leaves,
+    before any clipping), ``aux``'s entries and ``lr``: the learning rate of
+    this update (``optim.find_lr``: the first in the optimizer state's tree
+    order), present only when the optimizer has a learning-rate stage
+    (``scale_by_learning_rate`` or an injected ``lr``); any other
+    ``Transform`` works without it.
     ``update_buffers(params, metrics) -> params`` (a model's
     ``update_buffers``, e.g. DeepSeek-V3's balancing bias) runs after the
     optimizer update: state that moves with training but outside the
     gradient. Keep those leaves away from the optimizer with
-    ``optim.freeze(model.frozen)``.
+    ``trainable`` or ``optim.selective_transform(opt, freeze_mask=model.frozen)``.
     Wrap it in ``torch.compile(step, fullgraph=True)``; all changing values
-    (step, lr) are tensors, so it does not recompile.
+    (step, lr, injected hyperparameters) are tensors, so it does not recompile.
 
     ``donate=True`` consumes the state passed in (JAX's buffer donation): the
     new params and optimizer state are written into its buffers, which the
@@ -112,29 +159,37 @@ def make_train_step(
     if accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps={accum_steps} must be >= 1")
     grad_fn = value_and_grad(loss_fn, impl=grad_impl)
+    weighted = _takes_weight(optimizer)
+
+    def split_trainable(params: Any) -> tuple[Any, Callable[[Any], Any], GradFn]:
+        if trainable is None:
+            return params, lambda new: new, grad_fn
+        paths, keep, _ = select(trainable, params)
+        leaves, treedef = T.flatten(params)
+
+        def merge(train: dict[str, Any]) -> Any:
+            return T.unflatten(treedef, [train[p] if k else x for p, x, k in zip(paths, leaves, keep, strict=True)])
+
+        train = {p: x for p, x, k in zip(paths, leaves, keep, strict=True) if k}
+        return train, merge, value_and_grad(lambda t, b: loss_fn(merge(t), b), impl=grad_impl)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        train, merge, fn = split_trainable(state.params)
         if accum_steps == 1:
-            grads, (loss, aux) = grad_fn(state.params, batch)
+            grads, (loss, aux) = fn(train, batch)
         else:
-            grads, losses, auxes = None, [], []
-            for micro in _split(batch, accum_steps):
-                g, (l_, a) = grad_fn(state.params, micro)
-                grads = g if grads is None else T.map(torch.add, grads, g)
-                losses.append(l_)
-                auxes.append(a)
-            grads = T.map(lambda g: g / accum_steps, grads)
-            loss, aux = torch.stack(losses).mean(), _mean_aux(auxes)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
+            grads, loss, aux = _accumulate(fn, train, batch, accum_steps)
+        extra = {"weight": aux["n_tokens"]} if weighted and "n_tokens" in aux else {}
+        updates, opt_state = optimizer.update(grads, state.opt_state, train, **extra)
+        params = merge(optim.apply_updates(train, updates))
         metrics = {"loss": loss.detach(), "grad_norm": T.global_norm(grads), **aux}
-        lr = optim.current_lr(opt_state)
+        lr = optim.find_lr(opt_state)
         if lr is not None:
             metrics["lr"] = lr
         if update_buffers is not None:
             params = update_buffers(params, metrics)
         if donate:  # the step boundary: the only place a step writes into its input
-            params, opt_state = T.map(torch.Tensor.copy_, (state.params, state.opt_state), (params, opt_state))
+            params, opt_state = _donate((state.params, state.opt_state), (params, opt_state))
         return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
     return step

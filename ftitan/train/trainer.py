@@ -77,7 +77,7 @@ def build_optimizer(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[st
     else:
         inner = optim.adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
     if frozen:
-        inner = optim.chain(inner, optim.freeze(frozen))
+        inner = optim.chain(inner, optim.freeze(frozen, missing_ok=True))  # a pipeline stage may hold none
     return optim.chain(optim.clip_by_global_norm(o.clip), inner) if o.clip > 0 else inner
 
 

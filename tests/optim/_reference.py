@@ -32,15 +32,25 @@ def muon_f64(
     momentum: float,
     nesterov: bool,
     scale: str = "original",
+    style: str = "torch",
 ) -> dict[str, torch.Tensor]:
-    """Muon as written in Jordan 2024 / torch.optim.Muon's docs, float64, leaf by leaf."""
+    """Muon as written in Jordan 2024 / torch.optim.Muon's docs, float64, leaf by leaf.
+
+    ``style="optax"``: optax.contrib.muon's bias-corrected momentum,
+    ``mu * B / (1 - mu^(t+1)) + (1 - mu) * g / (1 - mu^t)`` (Nesterov) or ``B / (1 - mu^t)``.
+    """
     p = {k: v.to(torch.float64).clone() for k, v in params.items()}
     buf = {k: torch.zeros_like(v) for k, v in p.items()}
-    for g in grads:
+    for t, g in enumerate(grads, start=1):
         for k in p:
             gk = g[k].to(torch.float64)
             buf[k] = momentum * buf[k] + (1 - momentum) * gk
-            x = (1 - momentum) * gk + momentum * buf[k] if nesterov else buf[k]
+            if style == "torch":
+                x = (1 - momentum) * gk + momentum * buf[k] if nesterov else buf[k]
+            elif nesterov:
+                x = momentum * buf[k] / (1 - momentum ** (t + 1)) + (1 - momentum) * gk / (1 - momentum**t)
+            else:
+                x = buf[k] / (1 - momentum**t)
             rows, cols = x.shape[-2:]
             o = torch.stack([newton_schulz_f64(m) for m in x.reshape(-1, rows, cols)]).reshape(x.shape)
             s = math.sqrt(max(1, rows / cols)) if scale == "original" else 0.2 * math.sqrt(max(rows, cols))

@@ -160,3 +160,39 @@ def test_muon_with_adamw_equals_its_parts():
 def test_muon_with_adamw_checks_labels_eagerly():
     with pytest.raises(ValueError, match="embed: label 'sgd'"):
         fo.muon_with_adamw(llama_params(), lr=0.02, labels=lambda path, x: "sgd" if path == "embed" else "muon")
+
+
+@pytest.mark.parametrize("nesterov", NESTEROV)
+def test_optax_nesterov_style_matches_float64_reference(nesterov):
+    # float64 Newton-Schulz on both sides: float64 rounding only over 3 steps (see the torch parity above);
+    # a tall and a wide matrix
+    params = {k: v for k, v in matrix_params(torch.float64).items() if k in ("a", "c")}
+    grads = grad_stream(params, 3)
+    kw = dict(weight_decay=WD, nesterov=nesterov, ns_dtype=torch.float64)
+    ours, state = run(fo.muon(LR, nesterov_style="optax", **kw), params, grads)
+    ref = muon_f64(params, grads, lr=LR, weight_decay=WD, momentum=0.95, nesterov=nesterov, style="optax")
+    assert max_abs_diff(ours, ref) <= 1e-12
+    assert int(state[0].count) == 3 and fo.muon(LR).init(params)[0].count is None  # torch style: no count
+    torch_style, _ = run(fo.muon(LR, **kw), params, grads)
+    if nesterov:  # the bias-corrected mix weights g and B differently: the conventions differ measurably
+        assert max_abs_diff(torch_style, ours) > 1e-3
+    else:  # a scalar per matrix, which Newton-Schulz's normalization removes
+        assert max_abs_diff(torch_style, ours) <= 1e-12
+
+
+def test_muon_with_adamw_passes_ns_eps_and_nesterov_style():
+    # a gradient of norm ~1e-4: with ns_eps=1 the norm clamp bites, Newton-Schulz starts from singular
+    # values ~1e-5 and 5 steps (each at most x3.4445) leave the update far smaller (57x measured)
+    params = {"layers.0.w": torch.ones(8, 8, dtype=torch.float64), "norm": torch.ones(8, dtype=torch.float64)}
+    gen = torch.Generator().manual_seed(0)
+    grads = tree.map(lambda p: 1e-5 * torch.randn(p.shape, generator=gen, dtype=p.dtype), params)
+    outs = {}
+    for ns_eps in (1e-7, 1.0):
+        opt = fo.muon_with_adamw(
+            params, lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, ns_dtype=torch.float64, ns_eps=ns_eps
+        )
+        updates, state = opt.update(grads, opt.init(params), params)
+        outs[ns_eps] = updates["layers.0.w"].norm().item()
+    assert outs[1.0] < outs[1e-7] / 20
+    opt = fo.muon_with_adamw(params, lr=0.1, nesterov_style="optax")
+    assert int(opt.update(grads, opt.init(params), params)[1].inner_states["muon"][0].count) == 1

@@ -52,6 +52,13 @@ def test_warmup_cosine():
     assert at(s, 1000) == approx(0.0)
 
 
+def test_warmup_from_init_value():
+    s = fo.linear_warmup(1.0, warmup=4, init_value=0.2)
+    assert [at(s, k) for k in (0, 2, 4, 9)] == [approx(0.2), approx(0.6), approx(1.0), approx(1.0)]
+    c = fo.warmup_cosine(1.0, warmup=4, total=8, init_value=0.2)
+    assert [at(c, k) for k in (0, 2, 4, 6, 8)] == [approx(0.2), approx(0.6), approx(1.0), approx(0.5), approx(0.0)]
+
+
 def test_warmup_stable_decay():
     # total 100, decay_fraction 0.2: stable until step 80, linear to final at 100
     s = fo.warmup_stable_decay(1.0, warmup=10, total=100, decay_fraction=0.2, final=0.1)
@@ -92,6 +99,11 @@ def test_warmup_cosine_bounded_and_monotone_after_warmup(warmup, extra, step, fi
         (lambda: fo.warmup_stable_decay(1.0, warmup=10, total=100, decay_fraction=1.5), "decay_fraction"),
         (lambda: fo.warmup_stable_decay(1.0, warmup=90, total=100, decay_fraction=0.2), "exceed total"),
         (lambda: fo.constant("1e-3"), "value"),
+        (lambda: fo.join_schedules([fo.constant(1.0), fo.constant(2.0)], []), "2 schedules need 1 boundaries"),
+        (lambda: fo.join_schedules([fo.constant(1.0)] * 3, [5, 2]), "must be increasing"),
+        (lambda: fo.exponential_decay(1.0, 10, 0.0), "decay_rate"),
+        (lambda: fo.polynomial(1.0, 0.0, 1.0, transition_steps=0), "transition_steps"),
+        (lambda: fo.linear_warmup(1.0, 10, init_value=math.inf), "init_value"),
     ],
 )
 def test_validation(make, match):

@@ -145,7 +145,23 @@ def test_float_lr_scales_float64_exactly():
     g = {"w": torch.ones(1, dtype=torch.float64)}
     updates, state = t.update(g, t.init(g))
     assert updates["w"].item() == -0.1  # a float32 lr tensor would give -0.10000000149
-    assert state.lr.dtype == torch.float32
+    assert state.lr.dtype == torch.float64  # the lr of float64 params is stored exactly
+    assert t.init({"w": torch.ones(1)}).lr.dtype == torch.float32
+
+
+def test_float_lr_is_read_from_the_state():
+    """A float lr lives in the state and the update reads it there: setting it to 0 stops the params,
+    and what the state reports is what was applied."""
+    opt = fo.sgd(0.5)
+    params = {"w": torch.ones(2)}
+    state = opt.init(params)
+    assert fo.current_lr(state).item() == 0.5
+    state = state[:2] + (state[2]._replace(lr=torch.zeros(())),)
+    updates, state = opt.update(ones_like(params), state, params)
+    assert torch.equal(updates["w"], torch.zeros(2)) and fo.current_lr(state).item() == 0.0
+    state = state[:2] + (state[2]._replace(lr=torch.tensor(0.25)),)
+    updates, state = opt.update(ones_like(params), state, params)
+    assert updates["w"].tolist() == [-0.25, -0.25] and fo.current_lr(state).item() == 0.25
 
 
 def test_current_lr_in_nested_states():

@@ -170,3 +170,109 @@ def test_donated_step_updates_in_place_with_the_pure_values(setup, compiled):
     tol = dict(rtol=1e-5, atol=1e-7) if compiled else dict(rtol=0, atol=0)
     torch.testing.assert_close(got, want, **tol)
     assert_trees_close((state.params, state.opt_state), (want_state.params, want_state.opt_state), **tol)
+
+
+def test_any_transform_works_and_lr_is_reported_only_with_a_learning_rate_stage(setup):
+    cfg, model, params = setup
+    loss_fn, batch = ft.train.next_token_loss(model), make_batch(cfg)
+    no_lr = ft.optim.chain(ft.optim.scale_by_adam(), ft.optim.scale(-1e-3))  # optax style, no lr stage
+    state, metrics = ft.train.make_train_step(loss_fn, no_lr)(ft.train.init_state(params, no_lr), batch)
+    assert "lr" not in metrics and {"loss", "grad_norm", "n_tokens"} <= set(metrics)
+    assert not torch.equal(state.params["embed"], params["embed"])
+    injected = ft.optim.inject_hyperparams(ft.optim.sgd)(lr=0.5)
+    state = ft.optim.set_hyperparams(ft.train.init_state(params, injected), lr=0.0)
+    state, metrics = ft.train.make_train_step(loss_fn, injected)(state, batch)
+    assert float(metrics["lr"]) == 0.0
+    assert_trees_close(state.params, params, rtol=0, atol=0)  # lr 0 in the state: nothing moves
+
+
+def test_accumulation_weights_micro_batches_by_target_tokens(setup):
+    """Micro-batches with unequal numbers of target tokens (IGNORE_INDEX elsewhere): accumulating over
+    them, in one step or with MultiSteps over steps, gives the full batch's token-mean gradient."""
+    cfg, model, params = setup
+    loss_fn = ft.train.next_token_loss(model)
+    batch = make_batch(cfg, b=4)
+    targets = batch["targets"].clone()
+    targets[:2, 3:] = ft.train.IGNORE_INDEX  # first micro-batch: 2 * 3 targets; second: 2 * 12
+    batch = {**batch, "targets": targets}
+    opt = ft.optim.sgd(1.0)
+    full = ft.train.make_train_step(loss_fn, opt)
+    s_full, m_full = full(ft.train.init_state(params, opt), batch)
+    s_acc, m_acc = ft.train.make_train_step(loss_fn, opt, accum_steps=2)(ft.train.init_state(params, opt), batch)
+    assert int(m_acc["n_tokens"]) == int(m_full["n_tokens"]) == 30
+    torch.testing.assert_close(m_acc["loss"], m_full["loss"], rtol=1e-6, atol=1e-6)
+    assert_trees_close(s_acc.params, s_full.params, rtol=1e-5, atol=1e-6)
+    # the unweighted mean of the two micro-batch gradients is measurably different
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
+    g = [ft.train.value_and_grad(loss_fn)(params, h)[0] for h in halves]
+    g_full = ft.train.value_and_grad(loss_fn)(params, batch)[0]
+    assert (g_full["embed"] - (g[0]["embed"] + g[1]["embed"]) / 2).abs().max() > 1e-3
+    # MultiSteps: the same rule across two steps, weighted by each step's n_tokens
+    multi = ft.optim.MultiSteps(opt, 2)
+    step = ft.train.make_train_step(loss_fn, multi)
+    state = ft.train.init_state(params, multi)
+    state, _ = step(state, halves[0])
+    assert_trees_close(state.params, params, rtol=0, atol=0)  # zero updates in between
+    state, _ = step(state, halves[1])
+    assert_trees_close(state.params, s_full.params, rtol=1e-5, atol=1e-6)
+
+
+def _toy():
+    g = torch.Generator().manual_seed(0)
+    params = {"enc": {"w": torch.randn(6, 4, generator=g), "b": torch.randn(4, generator=g)},
+              "head": {"w": torch.randn(4, 3, generator=g)}, "scale": torch.ones(3)}  # fmt: skip
+
+    def loss_fn(p, batch):
+        y = torch.tanh(batch["x"] @ p["enc"]["w"] + p["enc"]["b"]) @ p["head"]["w"] * p["scale"]
+        return ((y - batch["y"]) ** 2).mean(), {"n_tokens": torch.tensor(batch["x"].shape[0])}
+
+    batches = [{"x": torch.randn(8, 6, generator=g), "y": torch.randn(8, 3, generator=g)} for _ in range(4)]
+    return params, loss_fn, batches
+
+
+def test_trainable_differentiates_only_selected_leaves_compiled_without_recompiles():
+    params, loss_fn, batches = _toy()
+    trainable = ["head.**", "scale"]
+    seen = []
+
+    def recording(inner):
+        def update(grads, state, params=None):
+            seen.append((sorted(grads), T.nbytes(grads), T.global_norm(grads)))
+            return inner.update(grads, state, params)
+
+        return ft.optim.Transform(inner.init, update)
+
+    opt = ft.optim.inject_hyperparams(ft.optim.adamw)(lr=1e-2, weight_decay=0.1)
+    clipped = ft.optim.chain(ft.optim.clip_by_global_norm(1e-3), opt)
+    state = ft.train.init_state(params, recording(clipped), trainable=trainable)
+    # no optimizer state for frozen leaves: Adam's moments cover head.w and scale only
+    adam_state = state.opt_state[1].inner_state[0]
+    assert sorted(adam_state.mu) == ["head.w", "scale"]
+    eager = ft.train.make_train_step(loss_fn, recording(clipped), trainable=trainable)
+    new, metrics = eager(state, batches[0])
+    names, nbytes, norm = seen[0]
+    assert names == ["head.w", "scale"] and nbytes == (4 * 3 + 3) * 4  # no gradient tensor for enc.*
+    torch.testing.assert_close(metrics["grad_norm"], norm)
+    full_grads = ft.train.value_and_grad(loss_fn)(params, batches[0])[0]
+    torch.testing.assert_close(norm, T.global_norm({"h": full_grads["head"], "s": full_grads["scale"]}))
+    assert new.params["enc"]["w"] is params["enc"]["w"] and not torch.equal(new.params["scale"], params["scale"])
+    with pytest.raises(ValueError, match=r"trainable: glob 'heads\.\*\*' matches no parameter path"):
+        ft.train.init_state(params, opt, trainable="heads.**")
+
+    torch._dynamo.reset()
+    step = torch.compile(ft.train.make_train_step(loss_fn, clipped, trainable=trainable, donate=True), fullgraph=True,
+                         backend="aot_eager")  # fmt: skip
+    ref = ft.train.make_train_step(loss_fn, clipped, trainable=trainable)
+    s_c = ft.train.init_state(T.map(torch.clone, params), clipped, trainable=trainable)
+    s_e = ft.train.init_state(params, clipped, trainable=trainable)
+    enc = T.map(torch.clone, params["enc"])
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, batch in enumerate(batches):
+            s_c = s_c._replace(opt_state=ft.optim.set_hyperparams(s_c.opt_state, lr=1e-2 / (i + 1)))
+            s_e = s_e._replace(opt_state=ft.optim.set_hyperparams(s_e.opt_state, lr=1e-2 / (i + 1)))
+            s_c, m_c = step(s_c, batch)
+            s_e, m_e = ref(s_e, batch)
+            assert float(m_c["lr"]) == pytest.approx(1e-2 / (i + 1))
+    assert int(s_c.step) == 4
+    assert_trees_close(s_c.params, s_e.params, rtol=0, atol=0)
+    assert_trees_close(s_c.params["enc"], enc, rtol=0, atol=0)  # frozen: bit-identical
