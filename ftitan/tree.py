@@ -49,8 +49,10 @@ __all__ = [
     "paths",
     "register_node",
     "size",
+    "stack",
     "structure",
     "unflatten",
+    "unstack",
     "zeros_like",
 ]
 
@@ -105,11 +107,15 @@ def map_with_path(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
 
 
 def _compile_pattern(pattern: str) -> re.Pattern[str]:
-    # glob over dotted paths: "*" stays within one component, "**" spans several
+    # glob over dotted paths: "*" stays within one component, "**" spans several; "**." (at the
+    # start or after a ".") spans zero or more whole components, so "**.b" matches "b" and "a.b"
     out = []
     i = 0
     while i < len(pattern):
-        if pattern.startswith("**", i):
+        if pattern.startswith("**.", i) and (i == 0 or pattern[i - 1] == "."):
+            out.append(r"(?:.*\.)?")
+            i += 3
+        elif pattern.startswith("**", i):
             out.append(".*")
             i += 2
         elif pattern[i] == "*":
@@ -123,6 +129,9 @@ def _compile_pattern(pattern: str) -> re.Pattern[str]:
 
 def match(path: str, pattern: str) -> bool:
     """Whether a dotted path matches a glob: ``*`` is one component, ``**`` any number.
+
+    ``**.`` also matches zero components: ``**.b`` selects ``b`` at the top and at any depth,
+    ``layers.**.wq`` selects ``layers.wq`` too.
 
     >>> match("layers.3.attn.wq", "layers.*.attn.w?")
     True
@@ -235,6 +244,42 @@ def norm_across(combine_squares: Callable[[torch.Tensor], torch.Tensor]) -> Iter
 
 def zeros_like(tree: Tree, *, dtype: torch.dtype | None = None) -> Tree:
     return map(lambda x: torch.zeros_like(x, dtype=dtype), tree)
+
+
+def stack(trees: Sequence[Tree], *, dim: int = 0) -> Tree:
+    """Trees of one structure -> one tree whose leaves are stacked along ``dim`` (``jnp.stack`` per leaf).
+
+    For ensembles: ``torch.func.vmap(model.apply, in_dims=(0, None))(stack(params_list), tokens)``
+    runs every member on the same tokens.
+    """
+    if not trees:
+        raise ValueError("tree.stack: needs at least one tree")
+    first = structure(trees[0])
+    for i, t in enumerate(trees[1:], 1):
+        if structure(t) != first:
+            raise ValueError(
+                f"tree.stack: tree {i} has a different structure than tree 0:\n{structure(t)}\nvs\n{first}"
+            )
+
+    def one(path: str, *xs: Any) -> torch.Tensor:
+        if not all(is_tensor(x) for x in xs) or len({tuple(x.shape) for x in xs}) != 1:
+            raise ValueError(
+                f"tree.stack: leaf {path!r} must be a tensor of one shape in every tree, got "
+                f"{[tuple(x.shape) if is_tensor(x) else type(x).__name__ for x in xs]}"
+            )
+        return torch.stack(xs, dim)
+
+    return map_with_path(one, trees[0], *trees[1:])
+
+
+def unstack(tree: Tree, *, dim: int = 0) -> list[Tree]:
+    """Inverse of :func:`stack`: one tree per index along ``dim`` of every leaf."""
+    ps, ls, treedef = flatten_with_paths(tree)
+    sizes = {p: x.shape[dim] if is_tensor(x) and x.dim() > dim else None for p, x in zip(ps, ls, strict=True)}
+    if not ls or len(set(sizes.values())) != 1 or None in sizes.values():
+        raise ValueError(f"tree.unstack: every leaf needs one common size along dim {dim}; got {sizes}")
+    columns = [x.unbind(dim) for x in ls]
+    return [unflatten(treedef, [c[i] for c in columns]) for i in range(ls[0].shape[dim])]
 
 
 def register_node(

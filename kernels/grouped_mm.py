@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["grouped_mm", "grouped_mm_reference"]
+from ftitan.kernels.autodiff import plain_reverse_mode
+
+__all__ = ["grouped_mm", "grouped_mm_dense", "grouped_mm_reference"]
 
 
 def _allow_any_float_in_meta() -> None:
@@ -51,6 +53,9 @@ def _allow_any_float_in_meta() -> None:
 _allow_any_float_in_meta()
 
 
+_ATEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what torch._grouped_mm takes
+
+
 def _pad_to(n: int, dtype: torch.dtype) -> int:
     per = max(1, 16 // dtype.itemsize)  # elements per 16 bytes
     return -n % per
@@ -66,6 +71,8 @@ def grouped_mm(
     Empty groups are fine (their weight gets a zero gradient).
     Differentiable in ``x`` and ``w`` under autograd, ``torch.func`` and
     ``torch.compile(fullgraph=True)``; fp32 and bf16 (tested: compiled in fp32, bf16 eager).
+    Under transforms ATen's op has no rule for (``vmap``, ``jvp``, ``grad``
+    of ``grad``; see ``ftitan.kernels.autodiff``), and in float64, it is :func:`grouped_mm_dense`.
     """
     if x.dim() != 2 or w.dim() != 3 or offs.dim() != 1 or offs.shape[0] != w.shape[0]:
         raise ValueError(
@@ -74,11 +81,31 @@ def grouped_mm(
         )
     if offs.dtype != torch.int32:
         raise ValueError(f"grouped_mm: offs must be int32 cumulative row ends, got {offs.dtype}")
+    if x.dtype not in _ATEN_DTYPES or not plain_reverse_mode():
+        return grouped_mm_dense(x, w, offs)
     pk, pn = _pad_to(x.shape[1], x.dtype), _pad_to(w.shape[2], w.dtype)
     if pk or pn:
         out = torch._grouped_mm(F.pad(x, (0, pk)), F.pad(w, (0, pn, 0, pk)), offs=offs)
         return out[:, : w.shape[2]]
     return torch._grouped_mm(x, w, offs=offs)
+
+
+def grouped_mm_dense(
+    x: torch.Tensor,  # (M, K) rows sorted by group
+    w: torch.Tensor,  # (G, K, N)
+    offs: torch.Tensor,  # (G,) int32, cumulative row ends
+) -> torch.Tensor:  # (M, N)
+    """:func:`grouped_mm` in plain ops with static shapes: every group's GEMM over all rows, masked.
+
+    ``G`` times the FLOPs of the grouped op, but no data-dependent shape, so it
+    batches under ``vmap``, has forward-AD and double-backward formulas, and
+    compiles; the fallback under transforms.
+    """
+    group = (torch.arange(x.shape[0], device=x.device)[:, None] >= offs[None, :]).sum(-1)  # (M,) group of each row
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    for g in range(w.shape[0]):
+        out = torch.where((group == g)[:, None], x @ w[g], out)
+    return out
 
 
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -73,3 +73,17 @@ def test_vllm_example_generates_the_same_tokens_natively_and_in_vllm():
     assert "native == vllm: True" in out.stdout and "push_weights in" in out.stdout
     changed = re.search(r"after push: (\d+)/3 completions changed", out.stdout)
     assert changed and int(changed.group(1)) >= 1, out.stdout  # the pushed weights are the ones served
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_transforms_example_runs_and_checks_itself(family):
+    """examples/transforms.py asserts each transform against a plain loop; here it runs as a user runs it."""
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "transforms.py"), "--family", family],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    norms = re.search(r"per-example grad norms \[([\d., ]+)\]", out.stdout)
+    assert norms and len(norms.group(1).split(",")) == 4, out.stdout
+    assert "ensemble logits (4, 4, 16, 128)" in out.stdout, out.stdout
+    vhv = re.search(r"v\^T H v = (-?\d+\.\d+)", out.stdout)
+    assert vhv and float(vhv.group(1)) != 0.0, out.stdout
+    assert re.search(r"filtered grad: \d+ attention weights of \d+ params", out.stdout), out.stdout

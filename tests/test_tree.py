@@ -80,6 +80,10 @@ def test_match_globs():
     assert T.match("layers.3.attn.wq", "layers.**.wq")
     assert T.match("layers.3.attn.wq", "**.w?")
     assert not T.match("layers.3.attn.wqq", "**.w?")
+    # "**." spans zero or more whole components
+    assert T.match("b", "**.b") and T.match("a.b", "**.b") and T.match("a.c.b", "**.b")
+    assert not T.match("ab", "**.b")
+    assert T.match("layers.wq", "layers.**.wq") and not T.match("layerswq", "layers.**.wq")
 
 
 def test_partition_by_predicate_and_bad_where():
@@ -144,3 +148,44 @@ def test_map_with_path_and_norm_compile_fullgraph():
 def test_combine_needs_a_tree():
     with pytest.raises(ValueError):
         T.combine()
+
+
+def test_stack_and_unstack_round_trip():
+    trees = [{"a": torch.full((2,), float(i)), "b": {"c": torch.full((3, 1), -float(i))}} for i in range(4)]
+    stacked = T.stack(trees)
+    assert stacked["a"].shape == (4, 2) and stacked["b"]["c"].shape == (4, 3, 1)
+    for got, want in zip(T.unstack(stacked), trees, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_stack_names_the_mismatched_leaf():
+    with pytest.raises(ValueError, match="'b.c'"):
+        T.stack([{"a": torch.zeros(2), "b": {"c": torch.zeros(3)}}, {"a": torch.zeros(2), "b": {"c": torch.zeros(4)}}])
+    with pytest.raises(ValueError, match="structure"):
+        T.stack([{"a": torch.zeros(2)}, {"b": torch.zeros(2)}])
+
+
+def test_filter_grad_over_partition_output_equals_grad_of_the_whole_tree():
+    # torch.func.grad refuses None placeholders; filter_grad differentiates the trainable half only
+    import ftitan as ft
+
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "w": torch.randn(3, 3, generator=g),
+        "frozen": {"b": torch.randn(3, generator=g)},
+        "v": torch.randn(3, generator=g),
+    }
+    x = torch.randn(3, generator=g)
+
+    def loss(p, x_):
+        return ((p["w"] @ x_ + p["frozen"]["b"]) * p["v"]).square().sum()
+
+    frozen, trainable = T.partition(params, "frozen.**")
+    assert trainable["frozen"]["b"] is None and frozen["w"] is None
+    with pytest.raises(ValueError, match="must be Tensor"):
+        torch.func.grad(lambda t: loss(T.combine(t, frozen), x))(trainable)
+    grads = ft.train.filter_grad(lambda t, x_: loss(T.combine(t, frozen), x_))(trainable, x)
+    full = torch.func.grad(loss)(params, x)
+    assert grads["frozen"]["b"] is None
+    torch.testing.assert_close(grads["w"], full["w"])
+    torch.testing.assert_close(grads["v"], full["v"])

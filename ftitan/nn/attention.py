@@ -7,6 +7,10 @@ Two implementations that agree to float32 rounding:
 - ``"math"``: explicit ``softmax(q k^T * scale) v`` with the softmax in
   float32. It is plain tensor algebra, so it works wherever SDPA has no rule
   (DTensor on CPU, exotic transforms) and it is the readable reference.
+  ``"sdpa"`` switches to it by itself under ``torch.func`` transforms other
+  than one level of ``grad`` (``vmap``, ``jvp``, ``linearize``, ``grad`` of
+  ``grad``) and under forward-AD dual tensors, where the CPU flash kernel
+  has no rule (``ftitan.kernels.autodiff.plain_reverse_mode``).
 
 Queries may be fewer than keys (decoding against a KV cache): the causal mask
 is then aligned bottom-right, i.e. query ``t`` sits at key position
@@ -24,6 +28,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from ftitan.kernels.autodiff import plain_reverse_mode
 
 __all__ = ["Attend", "AttentionImpl", "attention", "causal_mask"]
 
@@ -68,17 +74,22 @@ def attention(
         raise ValueError(f"attention: {h} query heads are not a multiple of {kv} key/value heads")
     if causal and t > s:
         raise ValueError(f"attention: causal with more queries ({t}) than keys ({s})")
-    if mask is not None and (causal or tuple(mask.shape) not in ((t, s), (b, t, s))):
+    # sizes compared one by one: under torch.compile with symbolic sizes, dynamo answers
+    # `static_tuple in (tuples holding a SymInt)` False without comparing (torch 2.13)
+    if mask is not None and (causal or mask.dim() not in (2, 3) or mask.shape[-2] != t or mask.shape[-1] != s
+                             or (mask.dim() == 3 and mask.shape[0] != b)):  # fmt: skip
         raise ValueError(
             f"attention: mask {tuple(mask.shape)} must be (T, S) = {(t, s)} or (B, T, S) = {(b, t, s)} "
             f"and comes with causal=False"
         )
     scale = dh**-0.5 if scale is None else scale
-    if impl == "sdpa":
+    if impl not in IMPLS:
+        raise ValueError(f"attention: impl={impl!r}; expected one of {IMPLS}")
+    # the CPU flash kernel has no forward-AD formula, vmap rule or double backward: under such
+    # transforms sdpa falls back to the math form (equal to rounding); a compile-time choice
+    if impl == "sdpa" and plain_reverse_mode():
         return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
-    if impl == "math":
-        return _math(q, k, v, causal=causal, scale=scale, mask=mask)
-    raise ValueError(f"attention: impl={impl!r}; expected one of {IMPLS}")
+    return _math(q, k, v, causal=causal, scale=scale, mask=mask)
 
 
 def _sdpa(
@@ -117,7 +128,8 @@ def _math(
     s, kv = k.shape[1], k.shape[2]
     # group query heads by the kv head they read, instead of repeating K/V
     qg = q.reshape(b, t, kv, h // kv, dh)
-    scores = torch.einsum("btkgd,bskd->bkgts", qg, k).to(torch.float32) * scale
+    # float32 softmax for low precision; float64 stays float64
+    scores = torch.einsum("btkgd,bskd->bkgts", qg, k).to(torch.promote_types(q.dtype, torch.float32)) * scale
     if causal:
         mask = causal_mask(t, s, device=q.device)
     if mask is not None:  # (T, S) | (B, T, S) against scores (B, KV, G, T, S)

@@ -159,19 +159,21 @@ def _group_limit(choice: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:  # (N, E
     n = choice.shape[0]
     grouped = choice.view(n, cfg.n_groups, cfg.n_experts // cfg.n_groups)
     group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
-    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1.0)
+    # out of place (here and below): under vmap an in-place write into a fresh unbatched tensor has no rule
+    keep = torch.zeros_like(group_scores).scatter(1, group_scores.topk(cfg.topk_groups, dim=-1).indices, 1.0)
     return grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).view(n, cfg.n_experts)
 
 
 def route(x: torch.Tensor, p: Mapping[str, torch.Tensor], cfg: MoEConfig) -> Routing:
     """Choose ``top_k`` experts per row of ``x`` (N, D) and their weights (see module docstring)."""
-    logits = linear(x.float(), p["router"].float())  # (N, E) fp32 whatever the param dtype
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp32 params, fp64 stays fp64
+    logits = linear(x.to(acc), p["router"].to(acc))  # (N, E)
     if cfg.score_func == "softmax":
         scores = probs = torch.softmax(logits, dim=-1)
     else:
         scores = torch.sigmoid(logits)
         probs = scores / scores.sum(-1, keepdim=True)
-    choice = scores + p["router_bias"].float() if cfg.score_bias else scores
+    choice = scores + p["router_bias"].to(acc) if cfg.score_bias else scores
     if cfg.n_groups > 1:
         choice = _group_limit(choice, cfg)
     experts = choice.topk(cfg.top_k, dim=-1).indices  # (N, k)
@@ -187,7 +189,7 @@ def dispatch(x: torch.Tensor, routing: Routing, n_experts: int) -> Dispatch:
     """Copy each token once per chosen expert and sort the rows by expert (stable)."""
     flat = routing.experts.reshape(-1)  # (N*k,)
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(n_experts, dtype=torch.float32, device=x.device).index_add_(
+    counts = torch.zeros(n_experts, dtype=torch.float32, device=x.device).index_add(
         0, flat, torch.ones_like(flat, dtype=torch.float32)
     )
     offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -225,7 +227,7 @@ def experts_reference(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: t
 def combine(y: torch.Tensor, d: Dispatch, routing: Routing) -> torch.Tensor:  # (N*k, D) -> (N, D)
     """Back to token order, weight by the routing weights, sum over the ``top_k`` choices."""
     n, k = routing.experts.shape
-    inverse = torch.empty_like(d.order).scatter_(0, d.order, torch.arange(d.order.numel(), device=d.order.device))
+    inverse = torch.empty_like(d.order).scatter(0, d.order, torch.arange(d.order.numel(), device=d.order.device))
     per_choice = y[inverse].view(n, k, -1)  # gather, not scatter-add: deterministic on every backend
     return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
 

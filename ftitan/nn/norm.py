@@ -22,8 +22,9 @@ def rms_norm(
     to ``x.dtype`` before the scale, exactly as ``LlamaRMSNorm``. The scale is
     cast to ``x.dtype`` too, so float32 master weights with bfloat16
     activations keep the activations bfloat16 (HF would promote to float32).
+    Float64 inputs keep float64 statistics (finite-difference checks).
     """
-    xf = x.to(torch.float32)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w.to(x.dtype) * normed.to(x.dtype)
 

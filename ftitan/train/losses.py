@@ -11,6 +11,19 @@ backward and the memory saving would be lost.
 
 It is a ``torch.autograd.Function`` with ``setup_context``, so
 ``torch.func.grad`` and ``torch.compile(fullgraph=True)`` both see through it.
+
+Gradients formed in forward have no derivative of their own, so the fused
+Function is exact only for first derivatives under plain reverse mode. It is
+used where that holds (plain autograd, or one ``torch.func.grad`` level over
+tensors no outer autograd tracks); under every other transform (``vmap``,
+``jvp``, ``linearize``, ``grad`` of ``grad``, ``jacrev``) the loss is the
+same chunked sum in plain differentiable ops, which every transform can
+handle (:func:`_plain_chunked_total`). The choice is made in Python and is a
+compile-time constant under dynamo (``ftitan.kernels.autodiff``), so the
+compiled train step keeps the fused Function. Plain
+``torch.autograd.grad(..., create_graph=True)`` cannot be seen from forward:
+the fused backward raises there instead of returning a wrong second
+derivative; pass ``fused=False`` (or use ``torch.func``) for it.
 """
 
 from __future__ import annotations
@@ -20,15 +33,22 @@ from typing import Any
 
 import torch
 
+from ftitan.kernels.autodiff import plain_reverse_mode
+
 __all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "next_token_loss"]
 
 IGNORE_INDEX = -100
 
 
+def _acc_dtype(w: torch.Tensor) -> torch.dtype:
+    """Logits are float32 for bf16/fp32 params; float64 params keep float64 (finite-difference checks)."""
+    return torch.promote_types(w.dtype, torch.float32)
+
+
 def _chunk_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int):
-    # h: (C, D) any float dtype; w32: (V, D) float32; t: (C,)
+    # h: (C, D) any float dtype; w32: (V, D) float32 (float64 for float64 params); t: (C,)
     # one fused log_softmax pass over the (C, V) block; the block is reused in place after
-    logp = torch.log_softmax(h.float() @ w32.T, dim=-1)  # (C, V)
+    logp = torch.log_softmax(h.to(w32.dtype) @ w32.T, dim=-1)  # (C, V)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
     nll = -logp.gather(1, safe_t[:, None]).squeeze(1)  # (C,)
@@ -41,8 +61,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(h, w, targets, chunk_size: int, ignore_index: int):  # type: ignore[override]
-        w32 = w.float()
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        w32 = w.to(_acc_dtype(w))
+        total = torch.zeros((), dtype=w32.dtype, device=h.device)
         grad_h = torch.empty_like(h)
         grad_w = None
         for start in range(0, h.shape[0], chunk_size):
@@ -54,9 +74,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dlogits = logp.exp_()
             rows = torch.arange(dlogits.shape[0], device=dlogits.device)
             dlogits.index_put_((rows, safe_t), torch.full_like(rows, -1, dtype=dlogits.dtype), accumulate=True)
-            keep = valid[:, None].to(torch.float32)  # (C, 1)
+            keep = valid[:, None].to(w32.dtype)  # (C, 1)
             grad_h[start : start + chunk_size] = ((dlogits @ w32) * keep).to(h.dtype)
-            contrib = dlogits.T @ (hc.float() * keep)  # (V, D)
+            contrib = dlogits.T @ (hc.to(w32.dtype) * keep)  # (V, D)
             grad_w = contrib if grad_w is None else grad_w + contrib
         return total, grad_h, grad_w.to(w.dtype)
 
@@ -68,8 +88,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, _gh: Any, _gw: Any):  # type: ignore[override]
+        if torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active():
+            # create_graph=True under plain autograd: the saved gradients are constants, so a
+            # second derivative through them would be silently wrong
+            raise RuntimeError(
+                "chunked_cross_entropy: double backward (autograd.grad(..., create_graph=True)) through the "
+                "fused loss, whose gradients are formed in forward and have no derivative; pass fused=False "
+                "(next_token_loss(model, fused=False)) or differentiate with torch.func (grad of grad, jvp of "
+                "grad), which selects the plain path itself"
+            )
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None
+
+
+def _plain_chunked_total(
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int
+) -> torch.Tensor:  # () float32 (float64 for float64 params)
+    """The fused Function's loss in plain ops: differentiable to any order, under any transform."""
+    w32 = w.to(_acc_dtype(w))
+    return sum(
+        _chunk_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)[0]
+        for s in range(0, h.shape[0], chunk_size)
+    )
+
+
+def _fused_is_exact(h: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gradients formed in forward are exact here: plain reverse mode, and under one
+    ``torch.func.grad`` level, no outer autograd tracking the unwrapped tensors (it would
+    differentiate the returned gradients and see the saved ones as constants)."""
+    if not plain_reverse_mode():
+        return False
+    if not torch._C._are_functorch_transforms_active():
+        return True
+    # plain_reverse_mode: the one interpreter is grad at level 1; _unwrap_for_grad traces in dynamo
+    return not any(torch._C._functorch._unwrap_for_grad(x, 1).requires_grad for x in (h, w))
 
 
 def chunked_cross_entropy(
@@ -80,13 +132,20 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
+    fused: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of ``h @ w.T`` against ``targets`` without materializing all logits.
 
-    Logits are computed in float32 one ``(chunk_size, V)`` block at a time.
+    Logits are computed in float32 (float64 for float64 params) one ``(chunk_size, V)`` block at a time.
     ``reduction="mean"`` divides by the number of non-ignored targets (at
     least 1), ``"sum"`` does not. When no gradient is needed (evaluation),
     only the loss is computed.
+
+    ``fused=True`` (default) forms the gradients in forward (see the module
+    docstring) wherever that is exact and falls back to plain ops elsewhere
+    (``vmap``, ``jvp``, higher derivatives); ``fused=False`` always takes
+    the plain path, e.g. for ``torch.autograd.grad(..., create_graph=True)``.
+    Both give the same loss and first derivatives to float32 rounding.
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"chunked_cross_entropy: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
@@ -96,14 +155,10 @@ def chunked_cross_entropy(
         raise ValueError(f"chunked_cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'")
     if chunk_size < 1:
         raise ValueError(f"chunked_cross_entropy: chunk_size={chunk_size} must be >= 1")
-    if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+    if fused and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad) and _fused_is_exact(h, w):
         total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index)
     else:
-        w32 = w.float()
-        total = sum(
-            _chunk_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)[0]
-            for s in range(0, h.shape[0], chunk_size)
-        )
+        total = _plain_chunked_total(h, w, targets, chunk_size, ignore_index)
     if reduction == "sum":
         return total
     count = (targets != ignore_index).sum().clamp(min=1)
@@ -118,6 +173,7 @@ def cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
+    fused: bool = True,
 ) -> torch.Tensor:
     """:func:`chunked_cross_entropy`; vocab-parallel (``ftitan.parallel.loss``) when the current parallel
     layout splits the vocab, so that no rank gathers the head or holds all logits."""
@@ -130,11 +186,13 @@ def cross_entropy(
         return parallel_loss.vocab_parallel_cross_entropy(
             h, w, targets, layout, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction
         )
-    return chunked_cross_entropy(h, w, targets, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction)
+    return chunked_cross_entropy(
+        h, w, targets, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction, fused=fused
+    )
 
 
 def next_token_loss(
-    model: Any, *, chunk_size: int = 1024
+    model: Any, *, chunk_size: int = 1024, fused: bool = True
 ) -> Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """``loss_fn(params, batch) -> (loss, aux)`` for a ``Model``.
 
@@ -145,6 +203,12 @@ def next_token_loss(
     ``apply_with_aux`` (MoE), its ``aux["loss"]`` (the weighted balancing
     loss) is added to the loss, ``aux["ce_loss"]`` is the cross-entropy
     alone, and the model's other aux entries (router load) are passed on.
+
+    Works under every ``torch.func`` transform (``vmap(grad(loss_fn))`` for
+    per-example gradients, ``jvp`` of ``grad`` for Hessian-vector
+    products): the fused cross-entropy and SDPA step aside where they are not
+    exact (see :func:`chunked_cross_entropy`); ``fused=False`` forces the
+    plain cross-entropy (for ``torch.autograd.grad(..., create_graph=True)``).
     """
 
     def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -153,7 +217,9 @@ def next_token_loss(
             (h, _), model_aux = model.apply(params, inputs, logits=False), {}  # h: (B, T, D)
         else:
             h, _, model_aux = model.apply_with_aux(params, inputs, logits=False)
-        loss = cross_entropy(h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size)
+        loss = cross_entropy(
+            h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size, fused=fused
+        )
         aux = {"n_tokens": (targets != IGNORE_INDEX).sum()}
         if "loss" in model_aux:
             aux["ce_loss"] = loss.detach()

@@ -1,0 +1,218 @@
+"""torch.func transforms over every registered model family, against independent references.
+
+Driven by ``ftitan.models.hf.families()``: a new family is covered by adding it
+to the registry (and, if it has new size fields, to ``SHRINK``). Each family
+runs at a tiny size (2 layers, dim 32, vocab 64) so the default-tier matrix
+stays within seconds.
+
+Tolerances, and why:
+- float32 (per-example gradients vs a loop, ensemble vs separate applies):
+  the transformed path uses the plain-ops forms (math attention, plain
+  cross-entropy, dense grouped matmul) where the loop uses the fused kernels
+  (SDPA, the fused cross-entropy, ``torch._grouped_mm``); they sum in a
+  different order, so they agree to float32 rounding accumulated over two
+  layers: rtol 1e-4, atol 1e-6 (gradients here are 1e-4..1; rounding ~1e-7).
+- float64 (jvp and Hessian-vector products vs central finite differences):
+  step h = 1e-6 along a direction v at the params' scale (0.02 * N(0, 1))
+  leaves a truncation error ~h^2 |f'''(v, v, v)| and a rounding error
+  ~1e-16 |f| / h ~ 1e-10, so rtol 1e-6, atol 1e-8 holds with margin and
+  would catch a wrong or zero tangent (order-1 differences). MoE routing is
+  piecewise constant: the test asserts every top-k choice is identical at
+  p, p + h v and p - h v, so the difference quotient differentiates one
+  smooth piece.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from torch.func import grad, grad_and_value, jvp, vmap
+
+import ftitan as ft
+from ftitan.models import hf
+from ftitan.nn import moe as moe_module
+
+# tiny values for whichever of these fields a family's Config has
+SHRINK: dict[str, Any] = {
+    "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
+    "n_experts": 4, "top_k": 2, "expert_dim": 16, "moe_ffn_dim": 16, "n_groups": 2, "topk_groups": 1,
+    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+    "max_seq_len": 64,
+}  # fmt: skip
+MAX_PARAMS = 60_000  # a family whose tiny config is bigger needs its size fields in SHRINK
+FAMILIES = sorted(f.name for f in hf.families())
+B, T = 3, 8
+F32 = {"rtol": 1e-4, "atol": 1e-6}
+F64_FD = {"rtol": 1e-6, "atol": 1e-8}
+STEP = 1e-6
+
+
+def _family(name: str) -> hf.Family:
+    return next(f for f in hf.families() if f.name == name)
+
+
+def tiny_model(name: str) -> ft.models.Model:
+    fam = _family(name)
+    cfg = fam.config_type.debug()
+    fields = {f.name for f in attrs.fields(type(cfg))}
+    cfg = attrs.evolve(cfg, **{k: v for k, v in SHRINK.items() if k in fields})
+    model = fam.model(cfg)
+    n = ft.tree.size(model.init(ft.random.key(0), device="meta"))
+    assert n <= MAX_PARAMS, f"{name}: tiny config has {n} params; add its size fields to SHRINK"
+    return model
+
+
+def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, SHRINK["vocab_size"], (B, T + 1), generator=g)
+    targets = tokens[:, 1:].clone()
+    targets[0, :2] = ft.train.IGNORE_INDEX  # a masked prompt: per-example token counts differ
+    return {"inputs": tokens[:, :-1], "targets": targets}
+
+
+def _tangent(params: Any, seed: int = 1) -> Any:
+    g = torch.Generator().manual_seed(seed)
+    # at the params' scale (init std 0.02): a unit-normal direction makes the h^2 f''' term dominate
+    return ft.tree.map(lambda x: 0.02 * torch.randn(x.shape, generator=g, dtype=x.dtype), params)
+
+
+def _axpy(a: float, x: Any, y: Any) -> Any:
+    return ft.tree.map(lambda xi, yi: yi + a * xi, x, y)
+
+
+class _RecordRouting:
+    """Records every MoE layer's top-k expert choice (``route``), to assert FD steps keep them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[torch.Tensor] = []
+        route = moe_module.route
+
+        def recording(*args: Any, **kwargs: Any) -> moe_module.Routing:
+            out = route(*args, **kwargs)
+            self.calls.append(out.experts.clone())
+            return out
+
+        monkeypatch.setattr(moe_module, "route", recording)
+
+    def take(self) -> list[torch.Tensor]:
+        out, self.calls = self.calls, []
+        return out
+
+
+def _assert_same_routing(*runs: list[torch.Tensor]) -> None:
+    for run in runs[1:]:
+        assert len(run) == len(runs[0])
+        for a, b in zip(runs[0], run, strict=True):
+            assert torch.equal(a, b), "a finite-difference step changed an MoE top-k choice; use a smaller step"
+
+
+def _per_example_vs_loop(model: ft.models.Model, per_example: Any) -> None:
+    params, batch = model.init(ft.random.key(0)), _batch()
+    loss_fn = ft.train.next_token_loss(model)
+    grads, (losses, aux) = per_example(params, batch)
+    assert losses.shape == (B,)
+    for i in range(B):
+        one = {k: v[i : i + 1] for k, v in batch.items()}
+        g_i, (l_i, aux_i) = grad_and_value(loss_fn, has_aux=True)(params, one)
+        torch.testing.assert_close(losses[i], l_i, **F32)
+        torch.testing.assert_close(ft.tree.map(lambda x: x[i], grads), g_i, **F32)
+        torch.testing.assert_close({k: v[i] for k, v in aux.items()}, aux_i, **F32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_example_grads_equal_a_loop_over_examples(family):
+    model = tiny_model(family)
+    _per_example_vs_loop(model, ft.train.per_example_grads(ft.train.next_token_loss(model)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vmapped_ensemble_of_four_equals_four_applies(family):
+    model = tiny_model(family)
+    members = [model.init(ft.random.key(i)) for i in range(4)]
+    tokens = _batch()["inputs"]
+    out = vmap(lambda p: model.apply(p, tokens)[0])(ft.tree.stack(members))  # (4, B, T, V)
+    assert out.shape[0] == 4
+    for i, p in enumerate(members):
+        torch.testing.assert_close(out[i], model.apply(p, tokens)[0], **F32)
+    assert not torch.allclose(out[0], out[1])  # the members differ: the vmap did not broadcast one
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_jvp_equals_central_differences_float64(family, monkeypatch):
+    model = tiny_model(family)
+    params = model.init(ft.random.key(0), dtype=torch.float64)
+    v = _tangent(params)
+    tokens = _batch()["inputs"]
+
+    def logits(p: Any) -> torch.Tensor:
+        return model.apply(p, tokens)[0]
+
+    routing = _RecordRouting(monkeypatch)
+    at = logits(params)
+    base = routing.take()
+    plus = logits(_axpy(STEP, v, params))
+    at_plus = routing.take()
+    minus = logits(_axpy(-STEP, v, params))
+    _assert_same_routing(base, at_plus, routing.take())
+    out, tangent = jvp(logits, (params,), (v,))
+    torch.testing.assert_close(out, at, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tangent, (plus - minus) / (2 * STEP), **F64_FD)
+    assert tangent.abs().max() > 1e-3  # not a zero tangent
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hessian_vector_product_equals_central_differences_of_grad_float64(family, monkeypatch):
+    model = tiny_model(family)
+    params = model.init(ft.random.key(0), dtype=torch.float64)
+    v, batch = _tangent(params), _batch()
+    loss_fn = ft.train.next_token_loss(model)
+
+    def grad_of(p: Any) -> Any:
+        return grad(lambda q: loss_fn(q, batch)[0])(p)
+
+    routing = _RecordRouting(monkeypatch)
+    plus = grad_of(_axpy(STEP, v, params))
+    first = routing.take()
+    minus = grad_of(_axpy(-STEP, v, params))
+    _assert_same_routing(first, routing.take())
+    _, hvp = jvp(grad_of, (params,), (v,))  # forward-over-reverse
+    fd = ft.tree.map(lambda a, b: (a - b) / (2 * STEP), plus, minus)
+    torch.testing.assert_close(hvp, fd, **F64_FD)
+    assert max(x.abs().max() for x in ft.tree.leaves(hvp)) > 1e-4  # not a zero product
+
+
+def _compiled_per_example(model: ft.models.Model) -> Any:
+    torch._dynamo.reset()
+    return torch.compile(
+        ft.train.per_example_grads(ft.train.next_token_loss(model)), backend="aot_eager", fullgraph=True
+    )
+
+
+def test_compiled_per_example_grads_llama():
+    model = tiny_model("llama")
+    _per_example_vs_loop(model, _compiled_per_example(model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "llama"])
+def test_compiled_per_example_grads(family):
+    model = tiny_model(family)
+    _per_example_vs_loop(model, _compiled_per_example(model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_jvp_equals_eager_jvp(family):
+    model = tiny_model(family)
+    params = model.init(ft.random.key(0), dtype=torch.float64)
+    v, tokens = _tangent(params), _batch()["inputs"]
+
+    def tangent_of(p: Any, t: Any) -> torch.Tensor:
+        return jvp(lambda q: model.apply(q, tokens)[0], (p,), (t,))[1]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(tangent_of, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(params, v), tangent_of(params, v), rtol=1e-10, atol=1e-10)
