@@ -1,6 +1,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# ftitan's caches (inductor, vLLM) in the repo's ignored .cache, not the user's cache directory
+export FTITAN_CACHE_DIR := $(CURDIR)/.cache
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
 .PHONY: install demo test test-all bench clean

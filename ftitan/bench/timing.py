@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ftitan import _cache
+
 __all__ = [
     "cli",
     "emit",
@@ -201,10 +203,11 @@ def emit(result: Mapping[str, Any], out: Path | None) -> None:
 
 def cli(options: type, run: Callable[[Any], Mapping[str, Any]], argv: list[str] | None, *, prog: str, doc: str) -> int:
     """A benchmark's command line: parse ``options`` (tyro; ``doc``'s first paragraph is the help),
-    keep inductor's cache in ``./.cache/inductor`` unless set, ``run``, print (and ``--out``) the JSON."""
+    keep inductor's cache under ftitan's cache root unless set (``ftitan._cache``), ``run``, print (and
+    ``--out``) the JSON."""
     import tyro
 
     opts = tyro.cli(options, args=argv, prog=prog, description=doc.split("\n\n")[0])
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.cwd() / ".cache" / "inductor"))
+    _cache.set_defaults()
     emit(run(opts), opts.out)
     return 0

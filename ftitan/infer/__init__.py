@@ -5,9 +5,9 @@ See docs/inference.md. ``ftitan.vllm`` runs the same functions inside vLLM.
 
 from ftitan.infer.cache import KVCache, init_cache
 from ftitan.infer.fuse import fuse_projections, fused_slices
-from ftitan.infer.generate import generate, steps_for
+from ftitan.infer.generate import generate, slots_for, steps_for
 from ftitan.infer.sampling import GREEDY, Sampling, sample
-from ftitan.infer.step import make_decode_step, make_prefill
+from ftitan.infer.step import make_decode_step, make_greedy_decode, make_prefill
 
 __all__ = [
     "GREEDY",
@@ -18,7 +18,9 @@ __all__ = [
     "generate",
     "init_cache",
     "make_decode_step",
+    "make_greedy_decode",
     "make_prefill",
     "sample",
+    "slots_for",
     "steps_for",
 ]

@@ -11,7 +11,7 @@ Each request stops at its first ``eos_id`` (kept in its output) or after
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +30,7 @@ from ftitan.infer.step import (
     make_prefill,
 )
 
-__all__ = ["GREEDY_CHUNK", "Steps", "generate", "steps_for"]
+__all__ = ["GREEDY_CHUNK", "MAX_SHAPES", "Compile", "Steps", "generate", "slots_for", "steps_for"]
 
 # greedy tokens per compiled call in generate: fewer calls (guards, wrapper) for a bigger graph to compile
 GREEDY_CHUNK = 4
@@ -44,25 +44,53 @@ class Steps(NamedTuple):
     greedy: GreedyFn | None  # GREEDY_CHUNK argmax steps per call; compiled only (None: eager)
 
 
-# compiled steps by model: a new closure per call would recompile on every generate
-_STEPS: dict[tuple[int, bool | str], tuple[Any, Steps]] = {}
+# compiled steps by (model, compile): a new closure per call would compile again on every generate
+_STEPS: dict[tuple[int, Any], tuple[Any, Steps]] = {}
+
+# compiled graphs one model's steps may hold: one per (batch size, slot bucket) it generates for
+MAX_SHAPES = 64
+
+Compile = bool | str | Callable[..., Any]
 
 
-def steps_for(model: Any, *, compile: bool | str = False) -> Steps:
-    """:class:`Steps` of ``model``, the decode steps ``torch.compile``'d (fullgraph) with ``compile``
-    (``True``: inductor, or a backend name such as ``"aot_eager"``); built once per model, so
-    repeated generations reuse the compiled graphs."""
+def slots_for(n: int) -> int:
+    """KV-cache slots ``generate`` gives ``n`` positions (prompt + new tokens): ``n`` rounded up to a
+    power of two (at least 16), or above 1024 to a multiple of 1024. The compiled decode steps are
+    traced once per (model, batch size, bucket), not once per prompt length; the extra slots stay
+    masked, so the tokens do not change."""
+    if n < 1:
+        raise ValueError(f"slots_for: n={n} must be >= 1")
+    return max(16, 1 << (n - 1).bit_length()) if n <= 1024 else -(-n // 1024) * 1024
+
+
+def _compiled(fn: Callable[..., Any], compile: Compile) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile``: fullgraph, static shapes, its own recompile budget.
+
+    Every model's steps are closures over the same code, and dynamo keeps its compiled graphs,
+    recompile limit and automatic-dynamic size profile per code object. Without ``dynamic=False``
+    and ``isolate_recompiles`` a second model (or shape) counted as a recompile of the first:
+    sizes that differed between them became symbolic, and after 8 the fullgraph compile failed."""
+    kwargs: dict[str, Any] = dict(fullgraph=True, dynamic=False, isolate_recompiles=True, recompile_limit=MAX_SHAPES)
+    if compile is True:  # inductor; its C++ wrapper saves a Python call per kernel, which is most of a
+        # decode step's time beside the matmuls (10-20% faster steps on CPU)
+        return torch.compile(fn, options={"cpp_wrapper": True}, **kwargs)
+    return torch.compile(fn, backend=compile, **kwargs)
+
+
+def steps_for(model: Any, *, compile: Compile = False) -> Steps:
+    """:class:`Steps` of ``model``, the decode steps ``torch.compile``'d (fullgraph, static shapes)
+    with ``compile`` (``True``: inductor, or a backend name such as ``"aot_eager"`` or a backend
+    callable); built once per model, so repeated generations reuse the compiled graphs: one per
+    batch size and :func:`slots_for` bucket, each model with its own recompile budget
+    (``MAX_SHAPES``)."""
     cached = _STEPS.get((id(model.apply), compile))
     if cached is not None and cached[0] is model.apply:
         return cached[1]
     # generate never reads a cache twice, so the steps write into it in place (donate)
     prefill, decode = make_prefill(model, donate=True), make_decode_step(model, donate=True)
     greedy = make_greedy_decode(model, steps=GREEDY_CHUNK, donate=True) if compile else None
-    if compile is True:  # inductor; its C++ wrapper saves a Python call per kernel, which is most of a
-        # decode step's time beside the matmuls (10-20% faster steps on CPU)
-        decode, greedy = (torch.compile(f, fullgraph=True, options={"cpp_wrapper": True}) for f in (decode, greedy))
-    elif compile:
-        decode, greedy = (torch.compile(f, fullgraph=True, backend=compile) for f in (decode, greedy))
+    if compile:
+        decode, greedy = _compiled(decode, compile), _compiled(greedy, compile)
     steps = Steps(prefill, decode, greedy)
     _STEPS[(id(model.apply), compile)] = (model.apply, steps)
     return steps
@@ -108,7 +136,7 @@ def generate(
     key: torch.Tensor | None = None,
     eos_id: int | Sequence[int] | None = None,
     padding: Padding = "left",
-    compile: bool | str = False,
+    compile: Compile = False,
     fuse: bool = True,
 ) -> list[list[int]]:  # the new tokens of each prompt
     """Continue each prompt by up to ``max_new_tokens`` tokens (see the module docstring).
@@ -116,9 +144,12 @@ def generate(
     ``sampling`` is one ``Sampling`` for every request or one per request;
     ``padding`` puts the batch's padding before ("left") or after
     ("right") the shorter prompts (same tokens either way); ``compile``
-    runs the decode step under ``torch.compile`` (``True``: inductor, or a
-    backend name), traced once per model and batch shape. ``fuse`` stacks the q/k/v and gate/up
-    projections first (:func:`~ftitan.infer.fuse_projections`; pass fused params to skip the copy).
+    runs the decode steps under ``torch.compile`` (``True``: inductor, or a
+    backend name or callable), with static shapes: traced once per model, batch size and
+    :func:`slots_for` bucket of ``longest prompt + max_new_tokens``, so many models, batch sizes
+    and prompt lengths in one process each compile once (the prefill runs eagerly). ``fuse``
+    stacks the q/k/v and gate/up projections first (:func:`~ftitan.infer.fuse_projections`; pass
+    fused params to skip the copy).
     """
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
@@ -128,7 +159,7 @@ def generate(
     stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     params = fuse_projections(params) if fuse else params
     tokens, lengths = _pad(prompts, padding, params["embed"].device)
-    cache = init_cache(model, params, batch=len(prompts), slots=tokens.shape[1] + max_new_tokens)
+    cache = init_cache(model, params, batch=len(prompts), slots=slots_for(tokens.shape[1] + max_new_tokens))
     steps = steps_for(model, compile=compile)
     logits, cache = steps.prefill(params, tokens, cache, lengths=lengths, padding=padding)
     drawn: list[torch.Tensor] = []  # (B, n) chunks; read back once at the end unless EOS must be watched
@@ -137,10 +168,10 @@ def generate(
     made = 0
     while True:
         if keys is None and made and steps.greedy is not None and max_new_tokens - made >= GREEDY_CHUNK:
-            chunk, logits, cache = steps.greedy(params, drawn[-1][:, -1], cache)  # the next GREEDY_CHUNK tokens
+            chunk, logits, cache = steps.greedy(params, _last(drawn), cache)  # the next GREEDY_CHUNK tokens
         else:
             if made:
-                logits, cache = steps.decode_step(params, drawn[-1][:, -1], cache)
+                logits, cache = steps.decode_step(params, _last(drawn), cache)
             step_keys = None if keys is None else [random.fold_in(k, made) for k in keys]
             chunk = (logits.argmax(-1) if keys is None else sample(logits, step_keys, rows))[:, None]
         drawn.append(chunk)
@@ -153,6 +184,13 @@ def generate(
             break
     out = torch.cat(drawn, dim=1).tolist()
     return [_until_stop(row, stop) for row in out]
+
+
+def _last(drawn: list[torch.Tensor]) -> torch.Tensor:  # (B,)
+    """The newest token of each row, a contiguous tensor of its own: a column view of a (B, n) chunk
+    would give the compiled steps another stride (and base) to guard on for every chunk width
+    (a plain ``clone`` keeps the stride when B is 1)."""
+    return drawn[-1][:, -1].clone(memory_format=torch.contiguous_format)
 
 
 def _until_stop(row: list[int], stop: set[int]) -> list[int]:

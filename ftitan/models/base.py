@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from ftitan import tree
+from ftitan import random, tree
 
 if TYPE_CHECKING:
     from ftitan.nn.moe import MoEStats
@@ -177,3 +177,29 @@ class Model(NamedTuple):
     frozen: tuple[str, ...] = ()
     update_buffers: Callable[[tree.Tree, dict[str, torch.Tensor]], tree.Tree] | None = None
     stage: StageFn | None = None
+
+    def __repr__(self) -> str:
+        """One line: the family, its key sizes and the parameter count, e.g.
+        ``Model(llama, vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, params=8.03B)``."""
+        cfg = self.config
+        family = type(cfg).__module__.rsplit(".", 1)[-1]
+        sizes = [f"{label}={getattr(cfg, name)}" for name, label in _REPR_FIELDS if getattr(cfg, name, None) is not None]
+        return f"Model({', '.join([family, *sizes, *_param_count(self)])})"
+
+
+# config fields Model's repr shows, where the family has them: (field, label)
+_REPR_FIELDS = (("vocab_size", "vocab"), ("dim", "dim"), ("n_layers", "layers"), ("n_heads", "heads"),
+                ("n_kv_heads", "kv_heads"), ("n_experts", "experts"), ("top_k", "top_k"))  # fmt: skip
+
+
+def _param_count(model: Model) -> list[str]:
+    """``["params=1.2M"]`` from a shapes-only init; ``[]`` if the model cannot build one (a repr never raises)."""
+    try:
+        n = tree.size(model.init(random.key(0), device="meta"))
+    except Exception:  # noqa: BLE001  (a broken config still gets a repr)
+        return []
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            v = n / scale  # three significant digits: 4.07M, 40.7M, 671B
+            return [f"params={v:.{2 if v < 10 else 1 if v < 100 else 0}f}{suffix}"]
+    return [f"params={n}"]

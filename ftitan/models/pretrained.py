@@ -1,0 +1,99 @@
+"""``from_pretrained(directory) -> (model, params)``: one call for a Hugging Face model directory or an
+ftitan run directory.
+
+>>> import ftitan as ft
+>>> model, params = ft.models.from_pretrained("Qwen3-0.6B/", dtype=torch.bfloat16)   # doctest: +SKIP
+>>> model, params = ft.models.from_pretrained("runs/llama3-debug")                    # doctest: +SKIP
+>>> ft.infer.generate(model, params, [[1, 2, 3]], max_new_tokens=8)                   # doctest: +SKIP
+
+- An HF directory is ``config.json`` (with ``model_type``) and ``model.safetensors`` (or a sharded
+  index): what transformers' ``save_pretrained`` and :func:`~ftitan.models.save_hf` write. Read by
+  :func:`~ftitan.models.load_hf`; the family comes from ``model_type``.
+- A run directory is what ``ftitan train`` writes: its ``config.json`` (the run's config) and
+  ``checkpoints/``. Read by ``ftitan.train.trainer.load_run``, as ``ftitan generate --run`` does:
+  the newest valid checkpoint's params.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftitan import random, tree
+from ftitan.models import hf, registry
+from ftitan.models.base import Model
+
+__all__ = ["from_pretrained"]
+
+RUN_CHECKPOINTS = "checkpoints"  # the run directory's checkpoint folder (ftitan.train.trainer)
+
+
+def from_pretrained(
+    directory: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Model, tree.Tree]:
+    """``(model, params)`` from an HF model directory or an ftitan run directory (see the module docstring).
+
+    ``dtype`` (a ``torch.dtype`` or its name, e.g. ``"bfloat16"``; default: as stored) converts the
+    floating-point leaves to what ``model.init(dtype=dtype)`` gives (leaves a family keeps in float32
+    stay float32); ``device`` (default: the CPU) is where the params go.
+    """
+    d = Path(directory)
+    dtype = _dtype(dtype)
+    if not d.is_dir():
+        raise FileNotFoundError(f"from_pretrained: {d} is not a directory")
+    config = _read_config(d)
+    if config is not None and "model_type" in config:
+        cfg, params = hf.load_hf(d, dtype=dtype, device=device)
+        return registry.model_for(cfg), params
+    if config is not None and "model" in config and "recipe" in config:
+        from ftitan.train.trainer import load_run  # the trainer imports data/optim: only for a run
+
+        _, model, params, _, _ = load_run(d)
+        return model, _cast(model, params, dtype=dtype, device=device)
+    raise ValueError(
+        f"from_pretrained: {d} is neither an HF model directory (config.json with model_type, and "
+        f"{hf.WEIGHTS_FILE}: what save_pretrained or ft.models.save_hf write) nor an ftitan run directory "
+        f"(config.json of the run and {RUN_CHECKPOINTS}/: what `ftitan train` writes)"
+    )
+
+
+def _read_config(d: Path) -> dict[str, Any] | None:
+    """``d/config.json`` as a dict, ``None`` without one."""
+    path = d / hf.CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"from_pretrained: {path} is not valid JSON ({e})") from e
+    return config if isinstance(config, dict) else None
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a ``torch.dtype`` (its name accepted: ``"bfloat16"``, ``"torch.float16"``)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"from_pretrained: dtype={dtype!r} is not a floating-point torch dtype; e.g. 'bfloat16'")
+    return found
+
+
+def _cast(model: Model, params: tree.Tree, *, dtype: torch.dtype | None, device: torch.device | str | None
+          ) -> tree.Tree:  # fmt: skip
+    """``params`` in the dtypes ``model.init(dtype=dtype)`` gives (unchanged without ``dtype``), on ``device``."""
+    if dtype is None and device is None:
+        return params
+    target = model.init(random.key(0), dtype=dtype or torch.float32, device="meta")
+    return tree.map(
+        lambda x, like: x.to(dtype=like.dtype if dtype is not None and x.is_floating_point() else None, device=device),
+        params,
+        target,
+    )
