@@ -48,9 +48,12 @@ def main() -> None:
     rounded = [round(x, 3) for x in losses.tolist()]
     print(f"per-example grad norms {[round(x, 4) for x in norms.tolist()]}  losses {rounded}")
 
-    # 2. an ensemble: four inits stacked leafwise, one vmapped apply
-    members = [model.init(ft.random.key(i)) for i in range(4)]
-    logits = vmap(lambda p: model.apply(p, batch["inputs"])[0])(ft.tree.stack(members))  # (4, B, T, V)
+    # 2. an ensemble: four inits in one vmapped init (keys are tensors), one vmapped apply
+    keys = ft.random.split(ft.random.key(1), 4)
+    stacked = vmap(model.init)(keys)  # every leaf (4, ...): tree.stack of the four inits
+    members = ft.tree.unstack(stacked)
+    assert all(torch.equal(a, b) for a, b in zip(ft.tree.leaves(members[2]), ft.tree.leaves(model.init(keys[2]))))
+    logits = vmap(lambda p: model.apply(p, batch["inputs"])[0])(stacked)  # (4, B, T, V)
     assert torch.allclose(logits[2], model.apply(members[2], batch["inputs"])[0], atol=1e-5)
     print(f"ensemble logits {tuple(logits.shape)}  member spread {logits.std(0).mean().item():.4f}")
 

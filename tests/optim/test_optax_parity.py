@@ -11,7 +11,9 @@ of optax's float64 values.
 from __future__ import annotations
 
 import math
+import sys
 
+import absl.logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,13 @@ from ftitan import tree
 from ._helpers import grad_stream, run
 
 jax.config.update("jax_enable_x64", True)
+
+# optax imports absl.logging, whose handler holds the sys.stderr of that moment: pytest's capture
+# stream. absl's handler closes a stream that is not the current sys.stderr when logging shuts its
+# handlers down, which vLLM's logging.config.dictConfig does: pytest's capture file is then closed
+# under it and the whole run dies ("lost sys.stderr"). Point the handler at the real stderr, which
+# absl never closes (nothing here logs through absl).
+absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 F64 = 1e-13
 
