@@ -54,6 +54,7 @@ __all__ = [
     "per_layer",
     "stacked",
     "register_family",
+    "unregister_family",
     "save_hf",
     "to_hf",
 ]
@@ -132,6 +133,14 @@ def register_family(family: Family) -> Family:
     _BY_CONFIG[family.config_type] = family
     _BY_MODEL_TYPE[family.model_type] = family
     return family
+
+
+def unregister_family(family: Family) -> None:
+    """Undo :func:`register_family` (a family registered for a while, e.g. by a test)."""
+    if _BY_CONFIG.get(family.config_type) is family:
+        del _BY_CONFIG[family.config_type]
+    if _BY_MODEL_TYPE.get(family.model_type) is family:
+        del _BY_MODEL_TYPE[family.model_type]
 
 
 def families() -> list[Family]:

@@ -39,17 +39,24 @@ def toy_weights(cfg: ToyConfig) -> list[hf.WeightMap]:
     ]
 
 
-TOY = hf.register_family(
-    hf.Family(
-        name="toy",
-        config_type=ToyConfig,
-        model_type="ftitan-test-toy",
-        model=toy_model,
-        weights=toy_weights,
-        config_to_hf=lambda cfg: {"model_type": "ftitan-test-toy", "hidden_size": cfg.dim},
-        config_from_hf=lambda d: ToyConfig(dim=d["hidden_size"]),
-    )
+TOY = hf.Family(
+    name="toy",
+    config_type=ToyConfig,
+    model_type="ftitan-test-toy",
+    model=toy_model,
+    weights=toy_weights,
+    config_to_hf=lambda cfg: {"model_type": "ftitan-test-toy", "hidden_size": cfg.dim},
+    config_from_hf=lambda d: ToyConfig(dim=d["hidden_size"]),
 )
+
+
+@pytest.fixture(autouse=True)
+def toy_family():
+    # registered only while these tests run: the registry drives other suites (the transform matrix
+    # over every family), which a toy without an apply must not join
+    hf.register_family(TOY)
+    yield
+    hf.unregister_family(TOY)
 
 
 def test_split_and_join_round_trip(tmp_path):
@@ -73,4 +80,5 @@ def test_table_that_misses_a_leaf_is_reported():
         with pytest.raises(ValueError, match=r"no entry for \[norm\]"):
             hf.to_hf(toy_model(cfg).init(random.key(0)), cfg)
     finally:
+        hf.unregister_family(broken)
         hf.register_family(TOY)
