@@ -45,6 +45,7 @@ __all__ = [
     "Family",
     "Layout",
     "WeightMap",
+    "cast_params",
     "config_from_hf",
     "config_to_hf",
     "families",
@@ -309,9 +310,24 @@ def from_hf(
                 f"{path} (from {', '.join(names)}): checkpoint shape {tuple(x.shape)}, "
                 f"config expects {tuple(meta.shape)}"
             )
-        cast = meta.dtype if dtype is not None and x.is_floating_point() else None
-        leaves.append(x.to(dtype=cast, device=device))
+        leaves.append(_cast_leaf(x, meta, dtype, device))
     return tree.unflatten(treedef, leaves)
+
+
+def _cast_leaf(x: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None, device: Any) -> torch.Tensor:
+    # a floating leaf takes the dtype init(dtype=dtype) gives it (``like``), so float32-kept leaves stay float32
+    return x.to(dtype=like.dtype if dtype is not None and x.is_floating_point() else None, device=device)
+
+
+def cast_params(
+    model: Model, params: tree.Tree, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> tree.Tree:
+    """``params`` in the dtypes ``model.init(dtype=dtype)`` gives (unchanged without ``dtype``), on
+    ``device``: the conversion :func:`from_hf` applies, for params from elsewhere (a run's checkpoint)."""
+    if dtype is None and device is None:
+        return params
+    like = model.init(random.key(0), dtype=dtype or torch.float32, device="meta")
+    return tree.map(lambda x, m: _cast_leaf(x, m, dtype, device), params, like)
 
 
 def _check_empty(state: Mapping[str, torch.Tensor], empty: Mapping[str, tuple[int, ...]]) -> None:

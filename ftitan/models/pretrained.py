@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ftitan import random, tree
+from ftitan import tree
 from ftitan.models import hf, registry
 from ftitan.models.base import Model
 
@@ -56,7 +56,7 @@ def from_pretrained(
         from ftitan.train.trainer import load_run  # the trainer imports data/optim: only for a run
 
         _, model, params, _, _ = load_run(d)
-        return model, _cast(model, params, dtype=dtype, device=device)
+        return model, hf.cast_params(model, params, dtype=dtype, device=device)
     raise ValueError(
         f"from_pretrained: {d} is neither an HF model directory (config.json with model_type, and "
         f"{hf.WEIGHTS_FILE}: what save_pretrained or ft.models.save_hf write) nor an ftitan run directory "
@@ -84,16 +84,3 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise ValueError(f"from_pretrained: dtype={dtype!r} is not a floating-point torch dtype; e.g. 'bfloat16'")
     return found
-
-
-def _cast(model: Model, params: tree.Tree, *, dtype: torch.dtype | None, device: torch.device | str | None
-          ) -> tree.Tree:  # fmt: skip
-    """``params`` in the dtypes ``model.init(dtype=dtype)`` gives (unchanged without ``dtype``), on ``device``."""
-    if dtype is None and device is None:
-        return params
-    target = model.init(random.key(0), dtype=dtype or torch.float32, device="meta")
-    return tree.map(
-        lambda x, like: x.to(dtype=like.dtype if dtype is not None and x.is_floating_point() else None, device=device),
-        params,
-        target,
-    )

@@ -16,14 +16,14 @@ wherever it is used. A glob that selects no leaf raises at ``init``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ftitan import tree
 from ftitan.optim.transform import Params, State, Transform, Updates
 from ftitan.optim.weight_decay import Mask, _mask_fn
 
-__all__ = ["MaskedState", "check_mask_matches", "masked", "select"]
+__all__ = ["MaskedState", "check_mask_matches", "masked", "merge", "subset"]
 
 
 class MaskedState(NamedTuple):
@@ -46,15 +46,25 @@ def check_mask_matches(mask: Mask, params: Params, who: str) -> None:
             )
 
 
-def select(mask: Mask, params: Params) -> tuple[list[str], list[bool], Callable[[str, Any], bool]]:
-    """``(paths, selected flags, predicate)`` over the leaves of ``params`` (static: paths and shapes)."""
+def _select(mask: Mask, params: Params) -> tuple[list[str], list[bool]]:
+    """``(paths, selected flags)`` over the leaves of ``params`` (static: paths and shapes)."""
     pred = _mask_fn(mask)
     paths, leaves_, _ = tree.flatten_with_paths(params)
-    return paths, [bool(pred(p, x)) for p, x in zip(paths, leaves_, strict=True)], pred
+    return paths, [bool(pred(p, x)) for p, x in zip(paths, leaves_, strict=True)]
 
 
-def _subset(t: Any, keep: Sequence[bool], paths: Sequence[str]) -> dict[str, Any]:
+def subset(mask: Mask, t: Any) -> dict[str, Any]:
+    """The leaves of ``t`` that ``mask`` selects, as a flat ``{dotted path: leaf}`` dict: what
+    ``masked``'s inner transform and ``make_train_step(trainable=...)``'s optimizer see."""
+    paths, keep = _select(mask, t)
     return {p: x for p, x, k in zip(paths, tree.leaves(t), keep, strict=True) if k}
+
+
+def merge(t: Any, flat: Mapping[str, Any]) -> Any:
+    """``t`` with the leaves at ``flat``'s dotted paths replaced by ``flat``'s values (the inverse of
+    :func:`subset`: ``merge(t, subset(mask, t))`` is ``t``)."""
+    paths, leaves_, treedef = tree.flatten_with_paths(t)
+    return tree.unflatten(treedef, [flat[p] if p in flat else x for p, x in zip(paths, leaves_, strict=True)])
 
 
 def masked(inner: Transform, mask: Mask) -> Transform:
@@ -70,15 +80,11 @@ def masked(inner: Transform, mask: Mask) -> Transform:
 
     def init(params: Params) -> MaskedState:
         check_mask_matches(mask, params, "masked")
-        paths, keep, _ = select(mask, params)
-        return MaskedState(inner.init(_subset(params, keep, paths)))
+        return MaskedState(inner.init(subset(mask, params)))
 
     def update(grads: Updates, state: MaskedState, params: Params | None = None) -> tuple[Updates, MaskedState]:
-        paths, keep, _ = select(mask, grads)
-        sub_params = None if params is None else _subset(params, keep, paths)
-        sub_updates, inner_state = inner.update(_subset(grads, keep, paths), state.inner_state, sub_params)
-        leaves_, treedef = tree.flatten(grads)
-        out = [sub_updates[p] if k else g for p, g, k in zip(paths, leaves_, keep, strict=True)]
-        return tree.unflatten(treedef, out), MaskedState(inner_state)
+        sub_params = None if params is None else subset(mask, params)
+        sub_updates, inner_state = inner.update(subset(mask, grads), state.inner_state, sub_params)
+        return merge(grads, sub_updates), MaskedState(inner_state)
 
     return Transform(init, update)

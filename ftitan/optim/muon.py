@@ -22,6 +22,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from ftitan import tree
+from ftitan.optim.adam import bias_correction
 from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.newton_schulz import DEFAULT_COEFFICIENTS, newton_schulz
 from ftitan.optim.schedules import Schedule
@@ -59,11 +60,10 @@ def _newton_schulz_input(
     if style == "torch":
         return torch.lerp(g, buf, momentum) if nesterov else buf
     assert count is not None
-    t = count.to(buf.dtype)
-    bc = lambda k: -torch.expm1(k * math.log(momentum)) if momentum > 0 else torch.ones_like(k)  # noqa: E731
+    bc = lambda t: bias_correction(momentum, t, buf.dtype)  # noqa: E731  (1 - mu^t, Adam's)
     if not nesterov:
-        return buf / bc(t)
-    return momentum * (buf / bc(t + 1)) + (1.0 - momentum) * (g / bc(t))
+        return buf / bc(count)
+    return momentum * (buf / bc(count + 1)) + (1.0 - momentum) * (g / bc(count))
 
 
 def muon_shape_scale(rows: int, cols: int, shape_scaling: ShapeScaling = "original") -> float:

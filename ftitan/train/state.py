@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ftitan import random, tree
-from ftitan.optim.masking import check_mask_matches, select
+from ftitan.optim.masking import check_mask_matches, subset
 
 __all__ = ["Trainable", "TrainState", "init_state", "trainable_params"]
 
@@ -31,8 +31,7 @@ def trainable_params(params: Any, trainable: Trainable) -> dict[str, Any]:
     leaf raises, naming it and some paths."""
     if not torch.compiler.is_compiling():
         check_mask_matches(trainable, params, "trainable")
-    paths, keep, _ = select(trainable, params)
-    return {p: x for p, x, k in zip(paths, tree.leaves(params), keep, strict=True) if k}
+    return subset(trainable, params)
 
 
 def init_state(

@@ -17,7 +17,7 @@ import torch
 
 from ftitan import optim
 from ftitan import tree as T
-from ftitan.optim.masking import select
+from ftitan.optim.masking import merge, subset
 from ftitan.optim.transform import scalar_dtype
 from ftitan.train.state import Trainable, TrainState
 
@@ -164,14 +164,11 @@ def make_train_step(
     def split_trainable(params: Any) -> tuple[Any, Callable[[Any], Any], GradFn]:
         if trainable is None:
             return params, lambda new: new, grad_fn
-        paths, keep, _ = select(trainable, params)
-        leaves, treedef = T.flatten(params)
-
-        def merge(train: dict[str, Any]) -> Any:
-            return T.unflatten(treedef, [train[p] if k else x for p, x, k in zip(paths, leaves, keep, strict=True)])
-
-        train = {p: x for p, x, k in zip(paths, leaves, keep, strict=True) if k}
-        return train, merge, value_and_grad(lambda t, b: loss_fn(merge(t), b), impl=grad_impl)
+        return (
+            subset(trainable, params),
+            lambda new: merge(params, new),
+            value_and_grad(lambda t, b: loss_fn(merge(params, t), b), impl=grad_impl),
+        )
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         train, merge, fn = split_trainable(state.params)
