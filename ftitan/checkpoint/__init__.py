@@ -34,16 +34,19 @@ from ftitan.checkpoint._manifest import (
     read_manifest,
 )
 from ftitan.checkpoint._save import save
+from ftitan.checkpoint.run import RunDir, load_run
 
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CorruptCheckpointError",
     "LeafSpec",
+    "RunDir",
     "Manifest",
     "latest",
     "list_checkpoints",
     "load",
+    "load_run",
     "read_manifest",
     "save",
 ]

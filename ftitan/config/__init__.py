@@ -19,6 +19,7 @@ from ftitan.config.transforms import (
     with_model_fields,
     with_vocab,
 )
+from ftitan.config.io import config_from_dict, config_to_dict
 from ftitan.config.validate import validate
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "OptimConfig",
     "TrainConfig",
     "compose",
+    "config_from_dict",
+    "config_to_dict",
     "get_recipe",
     "parse_train_args",
     "recipe",

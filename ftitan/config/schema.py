@@ -14,7 +14,7 @@ import tyro
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 from ftitan.parallel.dims import ParallelDims
 
-__all__ = ["DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]
+__all__ = ["DataConfig", "InitConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]
 
 # every trainable family's config; a recipe picks one and its fields become --model.* flags
 # (named for tyro, whose default names would collide: every family's class is called Config)
@@ -48,6 +48,7 @@ class DataConfig:
     corpus: str = "stdlib"  # "stdlib" (the interpreter's standard library source), or a .txt / .jsonl path
     jsonl_field: str = "text"  # field holding the document text in a .jsonl corpus
     vocab_size: int = 2048  # byte-level BPE vocabulary trained on the corpus (cached in the run dir)
+    tokenizer: str = ""  # an HF tokenizer directory (tokenizer.json) to use instead of training a BPE
     seq_len: int = 256  # tokens per training row
     batch_size: int = 16  # rows per optimizer step
 
@@ -65,7 +66,7 @@ class ParallelConfig:
     sequence_parallel: bool = True  # under tp, norms run on 1/tp of the tokens (Megatron-SP)
     pp_schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     pp_microbatches: int = 0  # micro-batches per step under pp (0: 2 * pp)
-    backend: str = "gloo"  # torch.distributed backend: "gloo" (CPU) or "nccl" (CUDA)
+    backend: str = "auto"  # torch.distributed backend: "auto" (nccl on CUDA, gloo on CPU), "gloo" or "nccl"
 
     def dims(self) -> ParallelDims:
         """The degrees as ``ftitan.parallel.ParallelDims`` (which checks each is an int >= 1)."""
@@ -78,6 +79,22 @@ class ParallelConfig:
 
 
 @attrs.frozen(kw_only=True)
+class MixedPrecisionConfig:
+    """Dtypes of the mixed-precision policy (FSDP2's vocabulary): "fp32", "bf16" or "fp16"."""
+
+    param: str = "fp32"  # master params and optimizer state
+    compute: str = "fp32"  # forward and backward (params cast inside the step; FSDP gathers in it)
+    reduce: str = "fp32"  # data-parallel gradient reduction
+
+
+@attrs.frozen(kw_only=True)
+class InitConfig:
+    """Where the initial params come from."""
+
+    hf: str = ""  # an HF checkpoint directory to start from ("" : random init from --seed)
+
+
+@attrs.frozen(kw_only=True)
 class TrainConfig:
     """One training run."""
 
@@ -86,6 +103,9 @@ class TrainConfig:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
+    mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
+    init: InitConfig = InitConfig()
+    device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda" (under torchrun: cuda:LOCAL_RANK)
     steps: int = 400  # optimizer steps in total
     accum_steps: int = 1  # micro-batches per step (batch_size must divide by it)
     eval_every: int = 50  # steps between held-out evaluations (0: only at the end)

@@ -12,13 +12,14 @@ import os
 from pathlib import Path
 
 import attrs
+import torch
 
 from ftitan.config.schema import TrainConfig
 from ftitan.config.transforms import model_error
 
 __all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")  # what ftitan.train.trainer.build_optimizer builds
+OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")  # what ftitan.optim.from_config builds
 SCHEDULES: tuple[str, ...] = ("cosine", "wsd", "constant")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 MIN_VOCAB = 257  # byte-level BPE: 256 byte tokens plus at least one merge / special token
@@ -69,8 +70,8 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise _fail("--parallel.pp-schedule", p.pp_schedule, f"expected one of {PP_SCHEDULES}")
     if p.pp_microbatches < 0:
         raise _fail("--parallel.pp-microbatches", p.pp_microbatches, "must be >= 0 (0: 2 * pp)")
-    if p.backend not in ("gloo", "nccl"):
-        raise _fail("--parallel.backend", p.backend, "expected 'gloo' (CPU) or 'nccl' (CUDA)")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        raise _fail("--parallel.backend", p.backend, "expected 'auto' (nccl on CUDA, gloo on CPU), 'gloo' or 'nccl'")
     data_ranks = p.dp_replicate * p.dp_shard * p.ep
     if cfg.data.batch_size % data_ranks:
         raise _fail("--data.batch-size", cfg.data.batch_size,
@@ -101,6 +102,31 @@ def _check_data(cfg: TrainConfig) -> None:
         raise _fail("--data.seq-len", d.seq_len, "must be >= 1")
     if d.batch_size < 1:
         raise _fail("--data.batch-size", d.batch_size, "must be >= 1")
+
+
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+
+
+def _check_runtime(cfg: TrainConfig) -> None:
+    if cfg.device not in DEVICES:
+        raise _fail("--device", cfg.device, f"expected one of {DEVICES} (auto: CUDA when available)")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise _fail("--device", cfg.device, "torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                    "use --device cpu or auto")  # fmt: skip
+    if cfg.parallel.backend == "nccl" and (cfg.device == "cpu" or not torch.cuda.is_available()):
+        raise _fail("--parallel.backend", "nccl", "NCCL needs CUDA devices; use --parallel.backend auto or gloo")
+    mp = cfg.mixed_precision
+    for field in ("param", "compute", "reduce"):
+        value = getattr(mp, field)
+        if value not in PRECISIONS:
+            raise _fail(f"--mixed-precision.{field}", value, f"expected one of {PRECISIONS}")
+    if mp.param != "fp32":
+        raise _fail("--mixed-precision.param", mp.param, "master params and optimizer state stay fp32 "
+                    "(lower --mixed-precision.compute instead)")  # fmt: skip
+    if cfg.init.hf and not (Path(cfg.init.hf) / "config.json").is_file():
+        raise _fail("--init.hf", cfg.init.hf, "expected an HF checkpoint directory holding config.json and "
+                    "*.safetensors (a transformers save_pretrained directory)")  # fmt: skip
 
 
 def _check_loop(cfg: TrainConfig) -> None:
@@ -138,6 +164,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     """Check a run; return it unchanged, or raise ``ValueError("--flag=value: fix")``."""
     _check_model(cfg)
     _check_loop(cfg)
+    _check_runtime(cfg)
     _check_optim(cfg)
     _check_data(cfg)
     _check_parallel(cfg)

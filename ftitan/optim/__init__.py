@@ -24,6 +24,7 @@ from ftitan.optim.clipping import clip_by_global_norm
 from ftitan.optim.ema import EmaParamsState, EmaState, ema, ema_params, incremental_update, params_ema
 from ftitan.optim.finite import ApplyIfFiniteState, apply_if_finite
 from ftitan.optim.frozen import freeze, selective_transform
+from ftitan.optim.from_config import from_config
 from ftitan.optim.hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ftitan.optim.learning_rate import (
     ScaleByLearningRateState,
@@ -57,6 +58,7 @@ from ftitan.optim.transform import EmptyState, Transform, apply_updates, chain, 
 from ftitan.optim.weight_decay import add_decayed_weights
 
 __all__ = [
+    "from_config",
     "MATRIX_ONLY",
     "OPTIMIZERS",
     "ApplyIfFiniteState",

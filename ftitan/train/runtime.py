@@ -5,8 +5,10 @@ The trainer talks to a ``Runtime`` and stays the same for both:
 mesh, or the params as they are), ``make_step``,
 ``local_batch`` (this rank's rows and sequence chunks), ``eval_loss``,
 ``to_full`` / ``from_full`` for checkpoints (a checkpoint holds full
-tensors, so it loads under any layout), and ``is_main`` (rank 0 writes
-files and shows progress).
+tensors, so it loads under any layout), ``is_main`` (rank 0 writes
+files and shows progress) and ``device`` (where params, optimizer state and
+batches live: ``--device auto`` takes CUDA when there is one, and under
+torchrun each rank takes ``LOCAL_RANK``'s GPU).
 """
 
 from __future__ import annotations
@@ -26,7 +28,39 @@ from ftitan.models.base import Model
 from ftitan.parallel.rules import local_slice
 from ftitan.train.step import make_train_step
 
-__all__ = ["Runtime", "setup"]
+__all__ = ["Runtime", "resolve_backend", "resolve_device", "setup"]
+
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
+    """``--device`` as a ``torch.device``: "auto" is CUDA when available, else the CPU; a CUDA device is
+    ``cuda:local_rank`` (torchrun's ``LOCAL_RANK``: one GPU per process)."""
+    if name not in DEVICES:
+        raise ValueError(f"--device={name!r}: expected one of {DEVICES}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device='cuda': torch sees no CUDA device (torch.cuda.is_available() is False); "
+                         "use --device cpu, or install a CUDA build of torch")  # fmt: skip
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"--device='cuda': LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
+                         f"visible; launch at most that many processes per node (torchrun --nproc-per-node)")  # fmt: skip
+    return torch.device("cuda", local_rank)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``--parallel.backend``: "auto" is NCCL on CUDA and gloo on the CPU; NCCL needs CUDA."""
+    if name not in BACKENDS:
+        raise ValueError(f"--parallel.backend={name!r}: expected one of {BACKENDS}")
+    if name == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if name == "nccl" and device.type != "cuda":
+        raise ValueError("--parallel.backend='nccl' needs CUDA devices; use --parallel.backend gloo (or auto) on CPU")
+    return name
 
 
 def _rules(cfg: ParallelConfig) -> parallel.Rules:
@@ -37,8 +71,16 @@ def _rules(cfg: ParallelConfig) -> parallel.Rules:
 class Runtime:
     """A single process (``layout is None``) or this rank of a parallel world."""
 
-    def __init__(self, layout: parallel.Layout | None, cfg: ParallelConfig, *, owns_group: bool = False) -> None:
+    def __init__(
+        self,
+        layout: parallel.Layout | None,
+        cfg: ParallelConfig,
+        *,
+        owns_group: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         self.layout, self.cfg = layout, cfg
+        self.device = device if device is not None else torch.device("cpu")
         self.is_main = layout is None or dist.get_rank() == 0
         self._owns_group = owns_group  # close() leaves the process group only if setup() joined it
 
@@ -49,10 +91,11 @@ class Runtime:
     def place(self, params: Any, model: Model) -> Any:
         """``params`` (full) as this rank holds them: its pipeline stage, split by the rules."""
         if self.layout is None:
-            return params
+            return T.map(lambda x: x.to(self.device), params)
         axes = model.param_axes
         if self.pp > 1:
             params, axes = parallel.stage_params(params, model, self.layout), parallel.stage_params(axes, model, self.layout)
+        params = T.map(lambda x: x.to(self.device), params)
         return parallel.shard_params(params, axes, self.layout.rules, self.layout)
 
     def _pipeline(self, model: Model) -> Any:
@@ -109,15 +152,16 @@ class Runtime:
     def from_full(self, full: Any, like: Any) -> Any:
         """``full`` placed like the DTensors of ``like`` (this rank's stage and blocks; no communication)."""
         if self.layout is None:
-            return full
+            return T.map(lambda x: x.to(self.device), full)
         paths, leaves, _ = T.flatten_with_paths(full)
         by_path = dict(zip(paths, leaves, strict=True))
 
         def one(path: str, ref: Any) -> Any:
             x = by_path[path]
             if not isinstance(ref, DTensor):
-                return x
-            local = local_slice(x, parallel.sharding_of(ref), self.layout.coords, self.layout.sizes).contiguous()
+                return x.to(self.device)
+            local = local_slice(x, parallel.sharding_of(ref), self.layout.coords, self.layout.sizes)
+            local = local.to(self.device).contiguous()
             return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                                       stride=ref.stride())  # fmt: skip
 
@@ -141,17 +185,23 @@ def _ce_only(loss_fn: Any) -> Any:
     return fn
 
 
-def setup(cfg: ParallelConfig) -> Runtime:
-    """The runtime for this process: joins the torchrun world (``WORLD_SIZE`` > 1) and checks the degrees.
+def setup(cfg: ParallelConfig, *, device: str = "auto") -> Runtime:
+    """The runtime for this process: its device, and the torchrun world (``WORLD_SIZE`` > 1) it joins.
 
-    Fails before any work when the degrees' product differs from the world size.
+    Fails before any work when the degrees' product differs from the world size, or the device or
+    backend is not available here.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = cfg.dims()
     dims.check(world)
+    dev = resolve_device(device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    backend = resolve_backend(cfg.backend, dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # NCCL and the mesh use the current device
     if world == 1:
-        return Runtime(None, cfg)
+        return Runtime(None, cfg, device=dev)
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group(cfg.backend)
-    return Runtime(parallel.Layout(parallel.mesh(dims), _rules(cfg)), cfg, owns_group=owns)
+        dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
+    layout = parallel.Layout(parallel.mesh(dims, device_type=dev.type), _rules(cfg))
+    return Runtime(layout, cfg, owns_group=owns, device=dev)

@@ -9,6 +9,7 @@ import torch
 
 from ftitan import random, tree
 from ftitan.optim.masking import check_mask_matches, subset
+from ftitan.optim.transform import state_device
 
 __all__ = ["Trainable", "TrainState", "init_state", "trainable_params"]
 
@@ -44,7 +45,7 @@ def init_state(
     optimizer state.
     """
     return TrainState(
-        step=torch.zeros((), dtype=torch.int64),
+        step=torch.zeros((), dtype=torch.int64, device=state_device(params)),  # beside the params
         params=params,
         opt_state=optimizer.init(params if trainable is None else trainable_params(params, trainable)),
         rng=random.key(0) if rng is None else rng,

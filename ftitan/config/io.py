@@ -1,0 +1,30 @@
+"""A run's config as JSON and back (``config.json``, checkpoint manifests).
+
+Sections a run written by an older ftitan lacks take their defaults, so old
+run directories still load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ftitan.config.schema import DataConfig, InitConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, TrainConfig
+from ftitan.models import registry
+
+__all__ = ["config_from_dict", "config_to_dict"]
+
+_SECTIONS = {"optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig,
+             "mixed_precision": MixedPrecisionConfig, "init": InitConfig}  # fmt: skip
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """``cfg`` as the JSON a run writes; the model names its family."""
+    return {**attrs.asdict(cfg), "model": registry.config_to_dict(cfg.model)}
+
+
+def config_from_dict(d: dict[str, Any]) -> TrainConfig:
+    """The ``TrainConfig`` a run wrote to its ``config.json``."""
+    sections = {name: cls(**d.get(name, {})) for name, cls in _SECTIONS.items()}
+    return TrainConfig(**{**d, "model": registry.config_from_dict(d["model"]), **sections})

@@ -1,0 +1,100 @@
+"""Where a run's metrics go: ``metrics.jsonl``, TensorBoard events, and ``loss.png`` at the end.
+
+Step metrics stay tensors on the device until a record step reads them
+back (:func:`to_record`), so the steps in between never wait for the host.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MetricsSink", "Throughput", "plot_losses", "to_record"]
+
+_MAX_LOGGED_LOADS = 4096  # larger expert grids (e.g. 58 x 384) are summarized by moe.max_load only
+
+
+def to_record(m: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A step's metrics as a record (reads them back): every 0-d metric as a float (``n_tokens`` aside),
+    MoE load as lists."""
+    out: dict[str, Any] = {k: float(v) for k, v in m.items() if v.ndim == 0 and k != "n_tokens"}
+    load = m.get("moe.tokens_per_expert")
+    if load is not None and load.numel() <= _MAX_LOGGED_LOADS:
+        out["moe.tokens_per_expert"] = load.tolist()  # (L_moe, E): JSONL only, TensorBoard takes scalars
+    return out
+
+
+class MetricsSink:
+    """metrics.jsonl (one record per line) + TensorBoard events, both under the run dir.
+
+    ``keep_until``: on resume, records past the checkpoint's step are dropped, so the file reads as
+    one uninterrupted run.
+    """
+
+    def __init__(self, run_dir: Path, *, keep_until: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path = Path(run_dir) / "metrics.jsonl"
+        old = self.path.read_text().splitlines() if self.path.exists() else []
+        kept = [line for line in old if json.loads(line)["step"] <= keep_until]
+        self.path.write_text("".join(line + "\n" for line in kept))
+        self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
+        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=keep_until + 1)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for k, v in record.items():
+            if k != "step" and isinstance(v, float):  # lists (router load) go to the JSONL only
+                self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self.tb.close()
+
+
+class Throughput:
+    """Tokens/s over the steps since the last reading; time spent in ``paused()`` blocks is not counted."""
+
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self._mark, self._steps, self._excluded = time.perf_counter(), 0, 0.0
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (evaluation, checkpointing) out of the next reading."""
+        self._excluded += seconds
+
+    def read(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens_per_step * self._steps / max(now - self._mark - self._excluded, 1e-9)
+        self._mark, self._steps, self._excluded = now, 0, 0.0
+        return rate
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Train and held-out loss against step, written atomically to ``path`` (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("loss", "train"), ("eval_loss", "held-out")):
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o" if key == "eval_loss" else None, label=label)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
