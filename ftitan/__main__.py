@@ -2,6 +2,8 @@
 
     ftitan train --recipe NAME [--resume] [--model.n-layers 4 --optim.lr 1e-3 ...]
     ftitan generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S --n N]
+    ftitan convert --run DIR --hf OUT          (a run's newest checkpoint -> an HF model directory)
+    ftitan convert --hf DIR --run OUT          (an HF model directory -> a run directory at step 0)
     ftitan bench step [--out FILE ...]
     ftitan bench parallel [--nproc 4 --layouts dp_shard=4 dp_shard=2,tp=2 ... --out FILE]
     ftitan bench generate [--peers ... --batches 1 8 --out FILE]
@@ -19,6 +21,7 @@ import tyro
 USAGE = """usage:
   ftitan train --recipe NAME [--resume] [dotted overrides, e.g. --optim.lr 1e-3]   (ftitan train --help)
   ftitan generate --run DIR --prompt TEXT [options]                                (ftitan generate --help)
+  ftitan convert --run DIR --hf OUT | --hf DIR --run OUT                           (ftitan convert --help)
   ftitan bench step [options]                                                      (ftitan bench step --help)
   ftitan bench parallel [options]                                                  (ftitan bench parallel --help)
   ftitan bench generate [options]                                                  (ftitan bench generate --help)"""
@@ -44,6 +47,38 @@ class GenerateOptions:
     """Sampling seed: the same seed gives the same samples."""
     n: int = 1
     """Number of samples."""
+
+
+@attrs.frozen(kw_only=True)
+class ConvertOptions:
+    """Convert between a run directory and an HF model directory; the direction follows which exists."""
+
+    run: Path
+    """The run directory: read when it exists (-> --hf), else written (<- --hf)."""
+    hf: Path
+    """The HF model directory (config.json + safetensors): read when --run does not exist, else written."""
+
+
+def convert_main(argv: list[str]) -> int:
+    from ftitan.checkpoint.convert import hf_to_run, run_to_hf
+
+    opts = tyro.cli(ConvertOptions, args=argv, prog="ftitan convert")
+    try:
+        if (opts.run / "config.json").exists():
+            if (opts.hf / "config.json").exists():
+                raise ValueError(f"--hf {opts.hf} already holds a model; pass a new directory to write to")
+            out = run_to_hf(opts.run, opts.hf)
+            print(f"wrote {out} (HF: config.json, model.safetensors, tokenizer files) from run {opts.run}")
+        elif (opts.hf / "config.json").exists():
+            out = hf_to_run(opts.hf, opts.run)
+            print(f"wrote run directory {out} (step 0) from {opts.hf}")
+        else:
+            raise FileNotFoundError(f"neither --run {opts.run} (a `ftitan train` run directory) nor --hf {opts.hf} "
+                                    "(an HF model directory) holds a config.json; pass the one to convert from")  # fmt: skip
+    except (FileNotFoundError, ValueError) as e:
+        print(f"ftitan convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def train_main(argv: list[str]) -> int:
@@ -72,6 +107,9 @@ def generate_main(argv: list[str]) -> int:
     opts = tyro.cli(GenerateOptions, args=argv, prog="ftitan generate")
     try:
         _cfg, model, params, tok, step = load_run(opts.run)
+        if tok is None:
+            raise ValueError(f"{opts.run} has no tokenizer.json (an HF import without tokenizer files); copy the "
+                             "model's tokenizer.json and tokenizer_config.json into it")  # fmt: skip
         sampling = Sampling(temperature=opts.temperature, top_k=opts.top_k, top_p=opts.top_p)
         prompt = tok.encode(opts.prompt)
         # the n samples are one batch (KV cache, one decode step per token); sample i draws from fold_in(key, i)
@@ -92,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return train_main(argv[1:])
     if argv[:1] == ["generate"]:
         return generate_main(argv[1:])
+    if argv[:1] == ["convert"]:
+        return convert_main(argv[1:])
     if argv[:2] == ["bench", "step"]:
         from ftitan.bench.step import main as bench_step
 

@@ -61,12 +61,14 @@ class RunDir:
         return save(self.checkpoints, step, tree, keep=keep, extra={"config": cfg_dict})
 
 
-def load_run(run_dir: str | Path, *, device: Any = None) -> tuple[TrainConfig, Any, Any, Tokenizer, int]:
+def load_run(run_dir: str | Path, *, device: Any = None) -> tuple[TrainConfig, Any, Any, Tokenizer | None, int]:
     """``(cfg, model, params, tokenizer, step)`` from a run directory's newest valid checkpoint.
 
-    ``device``: where the params go (default: the CPU).
+    ``device``: where the params go (default: the CPU). ``tokenizer`` is ``None`` for a run converted
+    from an HF directory that had no tokenizer files.
     """
-    from ftitan import data, optim, random
+    from ftitan import optim, random
+    from ftitan.data import pipeline
     from ftitan.config.io import config_from_dict
     from ftitan.models import registry
     from ftitan.train.state import init_state
@@ -82,11 +84,11 @@ def load_run(run_dir: str | Path, *, device: Any = None) -> tuple[TrainConfig, A
     model = registry.model_for(cfg.model)
     params = model.init(random.key(cfg.seed), device="meta")  # the structure to restore into
     opt = optim.from_config(cfg.optim, cfg.steps, params, frozen=model.frozen)
-    like = {"state": init_state(params, opt), "loader": data.init_loader_state(cfg.seed)}
+    like = {"state": init_state(params, opt), "loader": pipeline.loader_state_like(cfg)}
     restored, manifest = load(newest, like)
     params = restored["state"].params
     if device is not None:
         from ftitan import tree
 
         params = tree.map(lambda x: x.to(device), params)
-    return cfg, model, params, data.load_tokenizer(run.path), manifest.step
+    return cfg, model, params, pipeline.run_tokenizer(cfg, run.path), manifest.step

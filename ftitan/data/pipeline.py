@@ -17,12 +17,12 @@ import torch
 from ftitan.data.corpus import jsonl, stdlib_corpus, text_files
 from ftitan.data.loader import Batch, LoaderState, PackedDataset, eval_batches, init_loader_state, next_batch
 from ftitan.data.packing import encode_documents, pack
-from ftitan.data.tokenizer import Tokenizer, tokenizer_for
+from ftitan.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_for
 
 if TYPE_CHECKING:
     from ftitan.config.schema import TrainConfig
 
-__all__ = ["RunData", "TrainBatches", "documents", "loader_state_like", "prepare"]
+__all__ = ["RunData", "TrainBatches", "documents", "loader_state_like", "prepare", "run_tokenizer"]
 
 
 class RunData(NamedTuple):
@@ -56,6 +56,13 @@ def prepare(cfg: TrainConfig, run_dir: str | Path) -> RunData:
                              "use a larger corpus or a smaller --data.seq-len")  # fmt: skip
         sets.append(PackedDataset(rows.long()))
     return RunData(tok, sets[0], sets[1])
+
+
+def run_tokenizer(cfg: TrainConfig, run_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer a run directory holds (``None`` when it has none: an HF import without one)."""
+    if not (Path(run_dir) / "tokenizer.json").is_file():
+        return None
+    return load_tokenizer(run_dir)
 
 
 def loader_state_like(cfg: TrainConfig) -> LoaderState:

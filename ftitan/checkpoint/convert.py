@@ -1,0 +1,76 @@
+"""``ftitan convert``: a run directory to an HF model directory, and back.
+
+- :func:`run_to_hf`: the run's newest valid checkpoint as ``model.safetensors`` + ``config.json``
+  (what ``transformers``' ``from_pretrained`` loads), with the run's tokenizer files;
+- :func:`hf_to_run`: an HF model directory as a run directory at step 0 (``ftitan generate --run``
+  reads it; ``ftitan train --resume`` with that ``--run-dir`` fine-tunes it), its tokenizer copied along.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ftitan.checkpoint.run import RunDir, load_run
+
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "hf_to_run", "run_to_hf"]
+
+# what an HF directory's tokenizer is made of (tokenizer.json is the one that must be there)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files ``src`` has into ``dst``; returns their names."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file() and src.resolve() != dst.resolve():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def run_to_hf(run_dir: str | Path, out: str | Path) -> Path:
+    """Write the run's newest valid checkpoint to ``out`` as an HF model directory; returns ``out``."""
+    from ftitan.data.tokenizer import EOS
+    from ftitan.models import hf
+
+    run_dir, out = Path(run_dir), Path(out)
+    cfg, _model, params, _tok, _step = load_run(run_dir)
+    hf.save_hf(params, cfg.model, out)
+    copied = copy_tokenizer_files(run_dir, out)
+    if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:  # the run's own byte-level BPE
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "model_max_length": cfg.model.max_seq_len},
+            indent=2) + "\n")  # fmt: skip
+    return out
+
+
+def hf_to_run(hf_dir: str | Path, out: str | Path, *, seed: int = 0) -> Path:
+    """Make ``out`` a run directory holding the HF model of ``hf_dir`` as its step-0 checkpoint."""
+    from ftitan import optim, random
+    from ftitan.config.io import config_to_dict
+    from ftitan.config.schema import DataConfig, InitConfig, TrainConfig
+    from ftitan.data.pipeline import loader_state_like
+    from ftitan.models import hf, registry
+    from ftitan.train.state import init_state
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    model_cfg, params = hf.load_hf(hf_dir)
+    has_tokenizer = (hf_dir / "tokenizer.json").is_file()
+    cfg = TrainConfig(
+        recipe="hf-import", model=model_cfg, seed=seed, run_dir=str(out), init=InitConfig(hf=str(hf_dir)),
+        data=DataConfig(vocab_size=model_cfg.vocab_size, tokenizer=str(hf_dir) if has_tokenizer else "",
+                        seq_len=min(DataConfig().seq_len, model_cfg.max_seq_len)),
+    )  # fmt: skip
+    model = registry.model_for(model_cfg)
+    opt = optim.from_config(cfg.optim, cfg.steps, params, frozen=model.frozen)
+    run = RunDir(out)
+    cfg_dict = config_to_dict(cfg)
+    run.create(cfg_dict)
+    copy_tokenizer_files(hf_dir, out)
+    state: dict[str, Any] = {"state": init_state(params, opt, rng=random.key(seed)), "loader": loader_state_like(cfg)}
+    run.save(0, state, keep=cfg.keep, cfg_dict=cfg_dict)
+    return out
