@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -110,20 +110,32 @@ def jsonl(path: str | Path, *, field: str = "text") -> Iterator[str]:
         raise FileNotFoundError(f"jsonl: {path} is not a file")
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: expected a JSON object with a {field!r} field, "
-                                 f"got {type(record).__name__}")
-            if field not in record:
-                raise ValueError(f"{where}: object has no field {field!r} (fields: {sorted(record)}); "
-                                 f"pass field=... to choose another")
-            text = record[field]
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: field {field!r} must be a string, got {type(text).__name__}")
-            yield text
+            if line.strip():
+                yield jsonl_text(line, f"{path}:{lineno}", field)
+
+
+def jsonl_text(line: str, where: str | Callable[[], str], field: str) -> str:
+    """The string ``field`` of one JSON Lines record; else a ValueError naming ``where`` (``file:line``;
+    a callable is only called then) and the fix."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{_where(where)}: invalid JSON ({e.msg} at column {e.colno}); fix or remove the line") from e
+    if isinstance(record, dict) and isinstance(record.get(field), str):
+        return record[field]  # the common case: no message to build
+    where = _where(where)
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a JSON object with a {field!r} field, "
+                         f"got {type(record).__name__}; fix or remove the line")  # fmt: skip
+    if field not in record:
+        raise ValueError(f"{where}: object has no field {field!r} (fields: {sorted(record)}); "
+                         f"pass field=... to choose another")  # fmt: skip
+    text = record[field]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: field {field!r} must be a string, got {type(text).__name__}; "
+                         f"fix or remove the line")  # fmt: skip
+    return text
+
+
+def _where(where: str | Callable[[], str]) -> str:
+    return where if isinstance(where, str) else where()

@@ -1,9 +1,10 @@
 """Packing documents into fixed-length training rows.
 
 Documents are encoded once into one flat token stream, each document
-followed by ``<|eos|>``::
+followed by ``<|eos|>`` (and preceded by BOS when the tokenizer has one; the
+trained BPE has none)::
 
-    stream = doc_0 EOS doc_1 EOS ... doc_{n-1} EOS
+    stream = [BOS] doc_0 EOS [BOS] doc_1 EOS ... [BOS] doc_{n-1} EOS
 
 and the stream is cut into consecutive, non-overlapping rows of
 ``seq_len + 1`` tokens (``inputs = row[:-1]``, ``targets = row[1:]``). There
@@ -34,11 +35,14 @@ __all__ = ["encode_documents", "pack", "token_stream"]
 _ENCODE_CHUNK = 256  # documents per encode_batch call: bounded memory, still parallel
 
 
-def token_stream(token_docs: Iterable[list[int]], *, eos_id: int) -> np.ndarray:
-    """``doc_0 EOS doc_1 EOS ...`` as one flat ``int32`` array."""
+def token_stream(token_docs: Iterable[list[int]], *, eos_id: int, bos_id: int | None = None) -> np.ndarray:
+    """``[BOS] doc_0 EOS [BOS] doc_1 EOS ...`` as one flat ``int32`` array (BOS only when ``bos_id`` is given)."""
     parts: list[np.ndarray] = []
     eos = np.array([eos_id], dtype=np.int32)
+    bos = None if bos_id is None else np.array([bos_id], dtype=np.int32)
     for ids in token_docs:
+        if bos is not None:
+            parts.append(bos)
         parts.append(np.asarray(ids, dtype=np.int32))
         parts.append(eos)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
@@ -69,7 +73,7 @@ def encode_documents(docs: Iterable[str], tokenizer: Tokenizer, *,
                 chunk = []
         yield from tokenizer.encode_batch(chunk)
 
-    stream = token_stream(encoded(), eos_id=tokenizer.eos_id)
+    stream = token_stream(encoded(), eos_id=tokenizer.eos_id, bos_id=tokenizer.bos_id)
     if cache is not None:
         cache = Path(cache)
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,16 @@
-"""Byte-level BPE tokenizer (GPT-2 style, Radford et al. 2019) trained with HF ``tokenizers``.
+"""Tokenizers: a byte-level BPE trained here (GPT-2 style, Radford et al. 2019), or a pretrained HF one.
 
 Byte-level means every string round-trips: the 256 byte symbols are always in
-the vocabulary, so nothing is ever ``<unk>``. The one special token is
-``<|eos|>``, which :mod:`ftitan.data.packing` puts between documents.
+the vocabulary, so nothing is ever ``<unk>``. The trained BPE's one special
+token is ``<|eos|>``, which :mod:`ftitan.data.packing` puts after every document.
 
 :func:`tokenizer_for` caches ``tokenizer.json`` in a run directory: the first
 call trains, every later call (including a resumed run) loads the same file.
+:func:`pretrained_tokenizer` reads an HF ``tokenizer.json`` with its BOS / EOS
+from the files next to it (:mod:`ftitan.data.pretrained`).
+
+Whatever the tokenizer, ``encode`` never adds special tokens; packing adds
+BOS (when the tokenizer has one) before and EOS after each document.
 """
 
 from __future__ import annotations
@@ -23,18 +28,28 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class Tokenizer:
-    """A thin wrapper over a ``tokenizers.Tokenizer``: ``encode``, ``decode``, ``vocab_size``, ``eos_id``."""
+    """A thin wrapper over a ``tokenizers.Tokenizer``: ``encode``, ``decode``, ``vocab_size``, ``eos_id``, ``bos_id``.
 
-    def __init__(self, hf: _HFTokenizer) -> None:
-        eos_id = hf.token_to_id(EOS)
+    ``eos_id`` defaults to the id of ``<|eos|>`` (the BPE :func:`train_tokenizer` makes);
+    ``bos_id`` is ``None`` for a tokenizer without a beginning-of-sequence token.
+    """
+
+    def __init__(self, hf: _HFTokenizer, *, eos_id: int | None = None, bos_id: int | None = None) -> None:
         if eos_id is None:
-            raise ValueError(f"tokenizer has no {EOS!r} special token; train it with train_tokenizer")
+            eos_id = hf.token_to_id(EOS)
+        if eos_id is None:
+            raise ValueError(f"tokenizer has no {EOS!r} special token; train it with train_tokenizer "
+                             f"or pass eos_id=")  # fmt: skip
         self.hf = hf
         self.eos_id: int = eos_id
+        self.bos_id: int | None = bos_id
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
+        for name, i in (("eos_id", eos_id), ("bos_id", bos_id)):
+            if i is not None and not 0 <= i < self.vocab_size:
+                raise ValueError(f"Tokenizer: {name}={i} is outside the vocabulary [0, {self.vocab_size})")
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; no EOS is added (packing adds it between documents)."""
+        """Token ids of ``text``; no BOS / EOS is added (packing adds them around each document)."""
         return self.hf.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -42,11 +57,12 @@ class Tokenizer:
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
-        """The text of ``ids``; ``<|eos|>`` is kept so document boundaries stay visible."""
+        """The text of ``ids``; special tokens (``<|eos|>``, BOS) are kept so document boundaries stay visible."""
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
     def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+        bos = "" if self.bos_id is None else f", bos_id={self.bos_id}"
+        return f"Tokenizer(vocab_size={self.vocab_size}, eos_id={self.eos_id}{bos})"
 
 
 def _new_bpe() -> _HFTokenizer:
