@@ -22,11 +22,13 @@ tied ``lm_head.weight`` repeated). ``from_hf`` reads either;
 >>> state = hf.to_hf(params, cfg)                      # doctest: +SKIP
 >>> hf.save_hf(params, cfg, "out/")                    # doctest: +SKIP
 >>> cfg2, params2 = hf.load_hf("out/")                 # doctest: +SKIP
+>>> cfg2, mine = hf.load_hf_sharded("out/", layout)    # doctest: +SKIP  (this rank's blocks only)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import uuid
@@ -46,12 +48,14 @@ __all__ = [
     "Layout",
     "WeightMap",
     "cast_params",
+    "check_names",
     "config_from_hf",
     "config_to_hf",
     "families",
     "family_of",
     "from_hf",
     "load_hf",
+    "load_hf_sharded",
     "per_layer",
     "stacked",
     "register_family",
@@ -80,6 +84,9 @@ class WeightMap:
     to_hf: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None
     # one tensor per name -> leaf (join); None: the single tensor itself
     from_hf: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None
+    # the leaf is the stack of its names' tensors of this shape (per-expert MoE weights, see
+    # ``stacked``): a streaming load copies each into its row of the leaf; None: another join
+    stack: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
 
 
 def per_layer(n_layers: int, table: Mapping[str, str]) -> list[WeightMap]:
@@ -105,7 +112,7 @@ def stacked(path: str, names: Sequence[str], shape: tuple[int, ...]) -> WeightMa
                 )
         return torch.stack(tuple(tensors))
 
-    return WeightMap(path=path, names=names, to_hf=lambda x: x.unbind(0), from_hf=join)
+    return WeightMap(path=path, names=names, to_hf=lambda x: x.unbind(0), from_hf=join, stack=tuple(shape))
 
 
 @attrs.frozen(kw_only=True)
@@ -286,17 +293,7 @@ def from_hf(
     paths, meta_leaves, treedef = tree.flatten_with_paths(expected)
     maps = _table(family, cfg, paths)
     state = _unfuse_experts(state_dict)
-    _check_empty(state, family.empty(cfg))
-    known = {n for m in maps for n in m.names} | set(family.empty(cfg))
-    ignored = family.ignored(cfg)
-    missing = [n for m in maps for n in m.names if n not in state]
-    unexpected = sorted(n for n in state if n not in known and not _glob_match(n, ignored))
-    if missing or unexpected:
-        raise KeyError(
-            f"checkpoint does not match {family.name} config: missing [{_listing(missing)}]; "
-            f"unexpected [{_listing(unexpected)}]. Is it the same architecture "
-            f"(n_layers, tie_embeddings) as the config?"
-        )
+    check_names(family, cfg, maps, {n: tuple(t.shape) for n, t in state.items()})
     by_path = {}
     for m in maps:
         tensors = tuple(state[n] for n in m.names)
@@ -330,14 +327,25 @@ def cast_params(
     return tree.map(lambda x, m: _cast_leaf(x, m, dtype, device), params, like)
 
 
-def _check_empty(state: Mapping[str, torch.Tensor], empty: Mapping[str, tuple[int, ...]]) -> None:
-    """The zero-size tensors HF keeps where the config has nothing must be empty in the checkpoint too."""
-    for name, shape in empty.items():
-        if name in state and state[name].numel():
+def check_names(family: Family, cfg: Any, maps: Sequence[WeightMap], shapes: Mapping[str, Sequence[int]]) -> None:
+    """Raise naming every missing or unexpected checkpoint tensor (``shapes``: name -> shape, in the
+    hub's per-expert names), and any of the family's zero-size tensors that is not empty."""
+    for name, shape in family.empty(cfg).items():
+        if name in shapes and math.prod(shapes[name]):
             raise ValueError(
-                f"{name}: checkpoint shape {tuple(state[name].shape)}, the config expects an empty {shape} "
+                f"{name}: checkpoint shape {tuple(shapes[name])}, the config expects an empty {shape} "
                 f"tensor; is the config the checkpoint's own?"
             )
+    known = {n for m in maps for n in m.names} | set(family.empty(cfg))
+    ignored = family.ignored(cfg)
+    missing = [n for m in maps for n in m.names if n not in shapes]
+    unexpected = sorted(n for n in shapes if n not in known and not _glob_match(n, ignored))
+    if missing or unexpected:
+        raise KeyError(
+            f"checkpoint does not match {family.name} config: missing [{_listing(missing)}]; "
+            f"unexpected [{_listing(unexpected)}]. Is it the same architecture "
+            f"(n_layers, tie_embeddings) as the config?"
+        )
 
 
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -404,3 +412,27 @@ def load_hf(
         raise FileNotFoundError(f"{d}: no {CONFIG_FILE}; is this an HF model directory?")
     cfg = config_from_hf(json.loads(config_path.read_text()))
     return cfg, from_hf(_read_weights(d, device), cfg, dtype=dtype, device=device)
+
+
+def load_hf_sharded(
+    directory: str | os.PathLike[str],
+    layout: Any = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[Any, tree.Tree]:
+    """``(cfg, params)`` from an HF model directory, each leaf read by block (``safe_open().get_slice``).
+
+    Without ``layout``: the same params as :func:`load_hf` (equal values and dtypes, on ``device``,
+    default the CPU), each leaf allocated once in its final dtype; a stacked MoE leaf is filled expert
+    by expert (hub per-expert tensors or transformers 5's fused ``experts.gate_up_proj`` /
+    ``experts.down_proj``), never holding the experts twice. With a ``parallel.Layout`` (or a
+    ``DeviceMesh``, placed by the default rules): this rank's DTensors, as
+    ``shard_params(stage_params(load_hf(...)))`` places them (its pipeline stage only under
+    ``pp > 1``), reading only the blocks it holds, on ``device`` (default: the layout's).
+    ``dtype`` converts as :func:`from_hf` does (DeepSeek-V3's routing bias stays float32). See
+    :mod:`ftitan.models.hf_stream`.
+    """
+    from ftitan.models import hf_stream  # it builds on this module's tables
+
+    return hf_stream.load_sharded(directory, layout, dtype=dtype, device=device)

@@ -7,6 +7,13 @@ leaf's value depends only on the key and its own dotted path, never on the
 rest of the tree or on how it is later sharded) and the logical axes
 (``param_axes``), so the two can never disagree on structure.
 
+``init(specs, key, blocks={path: ((start, stop), ...)})`` draws only a block
+of a leaf, bit-equal to that block of the whole draw: the per-rank sharded
+init (:func:`ftitan.parallel.init_params`) builds on it. Every built-in
+initializer computes just its block (the draws in :mod:`ftitan.random` are
+counter-based); an initializer without a ``block`` parameter still works, by
+drawing the whole leaf and slicing it.
+
 >>> import torch, ftitan as ft
 >>> from ftitan import nn
 >>> specs = {"w": nn.linear_param(4, 8, axes=("mlp", "embed"))}
@@ -17,7 +24,8 @@ rest of the tree or on how it is later sharded) and the logical axes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -26,45 +34,84 @@ import torch
 from ftitan import random, tree
 
 __all__ = [
+    "Block",
     "Initializer",
     "Param",
     "axes",
+    "block_shape",
+    "draw",
     "init",
     "normal_init",
     "ones_init",
     "shapes",
+    "takes_block",
     "truncated_normal_init",
     "zeros_init",
 ]
 
-# (key, shape, dtype, device) -> Tensor; must honour device="meta" (shape only)
-Initializer = Callable[[torch.Tensor, tuple[int, ...], torch.dtype, "torch.device | str | None"], torch.Tensor]
+# (start, stop) per dim, leading dims first (the rest whole): a block of a leaf, as ftitan.random takes it
+Block = Sequence[tuple[int, int]]
+
+# (key, shape, dtype, device[, *, block=None]) -> Tensor: the whole leaf of ``shape``, or only ``block`` of
+# it when the initializer takes ``block=``; must honour device="meta" (shape only)
+Initializer = Callable[..., torch.Tensor]
 
 
 def normal_init(std: float) -> Initializer:
-    """N(0, std^2)."""
+    """N(0, std^2); ``block=`` draws only that block (bit-equal to it in the whole draw)."""
 
-    def fn(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
-        return random.normal(key, shape, std=std, dtype=dtype, device=device)
+    def fn(
+        key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any, *, block: Block | None = None
+    ) -> torch.Tensor:
+        return random.normal(key, shape, std=std, dtype=dtype, device=device, block=block)
 
     return fn
 
 
 def truncated_normal_init(std: float, *, bound: float = 3.0) -> Initializer:
-    """N(0, std^2) truncated to ``[-bound*std, bound*std]`` (TorchTitan's init)."""
+    """N(0, std^2) truncated to ``[-bound*std, bound*std]`` (TorchTitan's init); ``block=``: see :func:`normal_init`."""
 
-    def fn(key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
-        return random.truncated_normal(key, shape, std=std, bound=bound, dtype=dtype, device=device)
+    def fn(
+        key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any, *, block: Block | None = None
+    ) -> torch.Tensor:
+        return random.truncated_normal(key, shape, std=std, bound=bound, dtype=dtype, device=device, block=block)
 
     return fn
 
 
-def ones_init(_key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
-    return torch.ones(shape, dtype=dtype, device=device)
+def ones_init(
+    _key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any, *, block: Block | None = None
+) -> torch.Tensor:
+    return torch.ones(block_shape(shape, block), dtype=dtype, device=device)
 
 
-def zeros_init(_key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
+def zeros_init(
+    _key: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: Any, *, block: Block | None = None
+) -> torch.Tensor:
+    return torch.zeros(block_shape(shape, block), dtype=dtype, device=device)
+
+
+def block_shape(shape: Sequence[int], block: Block | None, *, where: str = "block") -> tuple[int, ...]:
+    """The shape of ``block`` of a tensor of ``shape`` (``None``: the whole of it); raises on a bad block."""
+    shape = tuple(int(d) for d in shape)
+    spans = [(int(lo), int(hi)) for lo, hi in (block or ())]
+    if len(spans) > len(shape):
+        raise ValueError(f"{where}: block {spans} names {len(spans)} dims but shape {shape} has {len(shape)}")
+    for dim, ((lo, hi), size) in enumerate(zip(spans, shape, strict=False)):
+        if not 0 <= lo <= hi <= size:
+            raise ValueError(
+                f"{where}: block dim {dim} is ({lo}, {hi}) but shape {shape} has {size} there; "
+                f"give 0 <= start <= stop <= {size}"
+            )
+    return tuple(hi - lo for lo, hi in spans) + shape[len(spans) :]
+
+
+def takes_block(initializer: Initializer) -> bool:
+    """Whether ``initializer`` draws a block itself (has a ``block`` parameter)."""
+    try:
+        return "block" in inspect.signature(initializer).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 def _as_shape(value: Any) -> tuple[int, ...]:
@@ -113,6 +160,7 @@ def init(
     *,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    blocks: Mapping[str, Block] | None = None,
 ) -> tree.Tree:
     """Params for a spec tree; leaf ``path`` is drawn from ``random.fold_in(key, path)``.
 
@@ -121,17 +169,53 @@ def init(
     reads the key's value in Python, so ``torch.func.vmap(lambda k: init(specs, k))(keys)``
     gives one init per key (the stack of single inits) and ``init`` compiles
     with ``fullgraph=True``.
+
+    ``blocks`` (``{path: ((start, stop), ...)}``, leading dims; a leaf not named is drawn whole)
+    gives only those blocks of the leaves, each bit-equal to that block of the whole draw
+    (``init(specs, key)["w"][a:b, c:d]``) and computed without the rest, except for an
+    initializer that takes no ``block=`` (it draws the whole leaf, then the block is copied out).
     """
     _check_specs(specs)
+    blocks = dict(blocks or {})
+    if blocks:
+        unknown = sorted(set(blocks) - set(tree.flatten_with_paths(specs)[0]))
+        if unknown:
+            raise ValueError(f"init: blocks name paths that are not leaves of the specs: {', '.join(unknown)}")
 
     def one(path: str, spec: Param) -> torch.Tensor:
         leaf_key = random.fold_in(key, path) if path else key
-        x = spec.init(leaf_key, spec.shape, dtype, device)
-        if tuple(x.shape) != spec.shape:
-            raise ValueError(f"{path or '<root>'}: initializer returned shape {tuple(x.shape)}, spec says {spec.shape}")
-        return x
+        return draw(spec, leaf_key, dtype=dtype, device=device, block=blocks.get(path), path=path)
 
     return tree.map_with_path(one, specs)
+
+
+def draw(
+    spec: Param,
+    key: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    block: Block | None = None,
+    path: str = "",
+) -> torch.Tensor:
+    """One leaf of ``spec`` from its own key (``fold_in(key, path)`` in :func:`init`), or ``block`` of it."""
+    where = path or "<root>"
+    want = block_shape(spec.shape, block, where=where)
+    if block is None or want == spec.shape:
+        x = spec.init(key, spec.shape, dtype, device)
+        if tuple(x.shape) != spec.shape:
+            raise ValueError(f"{where}: initializer returned shape {tuple(x.shape)}, spec says {spec.shape}")
+        return x
+    if takes_block(spec.init):
+        x = spec.init(key, spec.shape, dtype, device, block=tuple(block))
+    else:  # fallback: the whole leaf, then a copy of the block (the whole leaf is freed on return)
+        full = spec.init(key, spec.shape, dtype, device)
+        if tuple(full.shape) != spec.shape:
+            raise ValueError(f"{where}: initializer returned shape {tuple(full.shape)}, spec says {spec.shape}")
+        x = full[tuple(slice(lo, hi) for lo, hi in block)].clone()
+    if tuple(x.shape) != want:
+        raise ValueError(f"{where}: initializer returned shape {tuple(x.shape)} for block {tuple(block)}, want {want}")
+    return x
 
 
 def axes(specs: tree.Tree) -> tree.Tree:

@@ -22,6 +22,7 @@ See docs/parallelism.md.
 from ftitan.parallel import activations, collectives, expert
 from ftitan.parallel.activations import cp_positions, shard_as
 from ftitan.parallel.dims import AXES, DATA_AXES, ParallelDims, mesh, shutdown
+from ftitan.parallel.init import init_params
 from ftitan.parallel.layout import Layout, current, use
 from ftitan.parallel.pipeline import pipeline_grad, schedule_actions, stage_layers, stage_params
 from ftitan.parallel.rules import Rules, Sharding, check_sharded, default_rules, dump, resolve, resolve_one
@@ -45,6 +46,7 @@ __all__ = [
     "expert",
     "from_local",
     "gathered",
+    "init_params",
     "make_parallel_loss",
     "make_train_step",
     "mesh",
