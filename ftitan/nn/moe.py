@@ -166,7 +166,10 @@ def _group_limit(choice: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:  # (N, E
 
 def route(x: torch.Tensor, p: Mapping[str, torch.Tensor], cfg: MoEConfig) -> Routing:
     """Choose ``top_k`` experts per row of ``x`` (N, D) and their weights (see module docstring)."""
-    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for bf16/fp32 params, fp64 stays fp64
+    # fp32 logits, scores and top-k under bf16 compute (the router weight is cast back up, so the matmul sums
+    # exact products): bf16 scores keep 8 significant bits, so near-equal experts would tie and flip with
+    # rounding, and the balancing bias's 1e-3 steps would vanish when added to them. fp64 stays fp64.
+    acc = torch.promote_types(x.dtype, torch.float32)
     logits = linear(x.to(acc), p["router"].to(acc))  # (N, E)
     if cfg.score_func == "softmax":
         scores = probs = torch.softmax(logits, dim=-1)

@@ -23,6 +23,10 @@ def rms_norm(
     cast to ``x.dtype`` too, so float32 master weights with bfloat16
     activations keep the activations bfloat16 (HF would promote to float32).
     Float64 inputs keep float64 statistics (finite-difference checks).
+    Under mixed precision this is what keeps the statistics float32 for
+    bfloat16 / float16 activations (float16 ``x**2`` overflows from
+    ``|x| > 256``); every norm of the models (block, final, QK-norm, MLA's
+    latent norms) is this function.
     """
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -8,12 +8,19 @@ reads, which all-gathers each leaf over its data axes when the model first
 touches it (layer by layer, as the forward walks the layers), with the
 adjoint in backward: gradients are reduce-scattered over ``dp_shard`` and
 all-reduced over the data axes the leaf is replicated on (DDP).
+
+Under a mixed-precision policy (``ftitan.train.MixedPrecision``) the local
+shard is cast to the compute dtype *before* the all-gather (bfloat16 sends
+half the bytes of float32), and the gradient is cast to the reduce dtype
+before the reduce-scatter and all-reduce, then arrives in the shard's
+(master) dtype: one autograd node per leaf does both directions
+(:func:`gather_leaf`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -23,6 +30,9 @@ from ftitan import tree
 from ftitan.parallel import collectives as C
 from ftitan.parallel.layout import Layout
 from ftitan.parallel.rules import Rules, Sharding, check_sharded, local_slice, resolve
+
+if TYPE_CHECKING:
+    from ftitan.train.precision import MixedPrecision
 
 __all__ = ["from_local", "gathered", "shard_params", "to_local", "unshard"]
 
@@ -81,37 +91,92 @@ def unshard(params: tree.Tree) -> tree.Tree:
     return tree.map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, params)
 
 
-def gather_leaf(x: torch.Tensor, s: Sharding, layout: Layout) -> torch.Tensor:
+class _Unshard(torch.autograd.Function):
+    """FSDP/DDP's view of one local shard: cast, then all-gather over each gathered axis (innermost
+    first); backward casts the gradient to the reduce dtype, reduce-scatters it over those axes in
+    reverse, all-reduces it over the replicated data axes, and returns it in the shard's dtype."""
+
+    @staticmethod
+    def forward(x, gathers, replicated, compute, reduce):  # type: ignore[override]
+        y = x.to(compute)
+        for dim, group in gathers:
+            y = C._ag(y, dim, group)
+        return y if y is not x else x.view_as(x)  # an autograd.Function must not return its input
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, ctx.gathers, ctx.replicated, _compute, ctx.reduce = inputs
+        ctx.dtype = x.dtype
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+        g = g.to(ctx.reduce)
+        for dim, group in reversed(ctx.gathers):
+            g = C._rs(g, dim, group)
+        for group in ctx.replicated:
+            g = C._ar(g, group)
+        return g.to(ctx.dtype), None, None, None, None
+
+
+def gather_leaf(
+    x: torch.Tensor,
+    s: Sharding,
+    layout: Layout,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The compute view of one local shard: gathered over its data axes (tp / ep stay split).
 
     Backward: reduce-scatter over the axes gathered here, all-reduce over the
     data axes the leaf is replicated on (cheapest order: the all-reduce runs on
-    the shard, after the reduce-scatter).
+    the shard, after the reduce-scatter). ``compute_dtype`` (default: the
+    shard's) is what the shard is cast to before the gather, so the gathered
+    bytes are the compute dtype's; ``reduce_dtype`` (default: the shard's)
+    is what the gradient is reduced in. The gradient returned to the shard is
+    in the shard's dtype.
     """
     stored = set(s.mesh_axes())
-    for a in layout.data_axes():
-        # a leaf split over ep (routed experts) gets its whole gradient back through EP's all-to-all
-        if a not in stored:
-            x = C.grad_all_reduce(x, layout.group(a))
-    for a in reversed([a for a in s.mesh_axes() if a in GATHERED_AXES]):  # innermost split first
-        x = C.all_gather(x, layout.group(a), dim=s.dim_of(a))
-    return x
+    # a leaf split over ep (routed experts) gets its whole gradient back through EP's all-to-all
+    replicated = tuple(layout.group(a) for a in layout.data_axes() if a not in stored)
+    inner_first = reversed([a for a in s.mesh_axes() if a in GATHERED_AXES])
+    gathers = tuple((s.dim_of(a), layout.group(a)) for a in inner_first if layout.group(a) is not None)
+    compute = x.dtype if compute_dtype is None or not x.is_floating_point() else compute_dtype
+    reduce = x.dtype if reduce_dtype is None or not x.is_floating_point() else reduce_dtype
+    if not gathers and not replicated:
+        return x.to(compute)  # nothing to communicate: the cast alone (its backward casts the gradient back)
+    return _Unshard.apply(x, gathers, replicated, compute, reduce)
 
 
 class _Gathered(Mapping[str, Any]):
     """Read-only params view that gathers a leaf the first time the model reads it."""
 
-    def __init__(self, local: Mapping[str, Any], shardings: Mapping[str, Any], layout: Layout) -> None:
+    def __init__(
+        self,
+        local: Mapping[str, Any],
+        shardings: Mapping[str, Any],
+        layout: Layout,
+        precision: MixedPrecision | None,
+        prefix: str = "",
+    ) -> None:
         self._local, self._shardings, self._layout = local, shardings, layout
+        self._precision, self._prefix = precision, prefix
         self._memo: dict[str, Any] = {}
+
+    def _leaf(self, path: str, x: torch.Tensor, s: Sharding) -> torch.Tensor:
+        p = self._precision
+        if p is None or (p.keep and p.keeps(path)):
+            return gather_leaf(x, s, self._layout)
+        return gather_leaf(x, s, self._layout, compute_dtype=p.compute_dtype, reduce_dtype=p.reduce_dtype)
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._memo:
             x, s = self._local[key], self._shardings[key]
+            path = f"{self._prefix}{key}"
             if isinstance(x, Mapping):
-                self._memo[key] = _Gathered(x, s, self._layout)
+                self._memo[key] = _Gathered(x, s, self._layout, self._precision, f"{path}.")
             else:
-                self._memo[key] = gather_leaf(x, s, self._layout) if isinstance(x, torch.Tensor) else x
+                self._memo[key] = self._leaf(path, x, s) if isinstance(x, torch.Tensor) else x
         return self._memo[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -121,8 +186,14 @@ class _Gathered(Mapping[str, Any]):
         return len(self._local)
 
 
-def gathered(local: tree.Tree, shardings: tree.Tree, layout: Layout) -> Mapping[str, Any]:
-    """The params view for compute: leaves gathered lazily, layer by layer, as the model reads them."""
+def gathered(
+    local: tree.Tree, shardings: tree.Tree, layout: Layout, *, precision: MixedPrecision | None = None
+) -> Mapping[str, Any]:
+    """The params view for compute: leaves gathered lazily, layer by layer, as the model reads them.
+
+    With ``precision`` each leaf (its ``keep`` globs aside) is gathered in its ``compute_dtype`` and
+    its gradient reduced in its ``reduce_dtype`` (:func:`gather_leaf`).
+    """
     if not isinstance(local, Mapping):
         raise TypeError(f"gathered: params must be a dict tree, got {type(local).__name__}")
-    return _Gathered(local, shardings, layout)
+    return _Gathered(local, shardings, layout, precision)

@@ -19,6 +19,14 @@ Inside, per step:
 
 ``compile=True`` (or a backend name, e.g. ``"aot_eager"``) compiles steps
 1-2 with ``fullgraph=True``; the optimizer runs eagerly on DTensors.
+
+``precision`` (``ftitan.train.MixedPrecision``) moves step 1 to its
+compute dtype: each local shard is cast before its FSDP all-gather (the
+gathered bytes are the compute dtype's), the model runs on the cast view,
+and in backward each gradient is cast to the reduce dtype before the
+reduce-scatter / all-reduce over the data axes, arriving in the master
+dtype. Params, gradients and optimizer state stay in the master dtype; the
+loss is float32.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from ftitan.parallel.activations import split_sequence
 from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.rules import Sharding
 from ftitan.parallel.shard import from_local, gathered, to_local
+from ftitan.train.precision import MixedPrecision
 from ftitan.train.state import TrainState
 from ftitan.train.step import value_and_grad
 
@@ -84,17 +93,28 @@ def loss_share(loss: torch.Tensor, n_local: torch.Tensor, n_global: torch.Tensor
 
 
 def make_parallel_loss(
-    loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]], layout: Layout, shardings: Any
+    loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    layout: Layout,
+    shardings: Any,
+    *,
+    precision: MixedPrecision | None = None,
 ) -> Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """``loss_fn(params, batch)`` on local shards: ``(weighted local loss, aux)``.
 
     The weighted losses of all ranks sum to the global mean loss, and so do
-    their gradients (``aux["n_tokens"]`` gives each rank's weight).
+    their gradients (``aux["n_tokens"]`` gives each rank's weight). With
+    ``precision`` the params view is gathered in its compute dtype and the
+    gradients reduced in its reduce dtype (``parallel.gathered``); the loss
+    is returned in float32.
     """
     data_axes = layout.data_axes()
+    if precision is not None and precision.is_full:
+        precision = None  # float32 throughout: the step without a policy
 
     def local_loss(local_params: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, aux = loss_fn(gathered(local_params, shardings, layout), batch)
+        loss, aux = loss_fn(gathered(local_params, shardings, layout, precision=precision), batch)
+        if precision is not None:
+            loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         n_local = aux["n_tokens"]
         n_global = layout.sum(n_local, data_axes).clamp(min=1)
         return loss_share(loss, n_local, n_global, layout), aux
@@ -148,6 +168,7 @@ def make_train_step(
     compile: bool | str = False,
     update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
     grad_fn: Callable[[Any], Callable[..., Any]] | None = None,
+    precision: MixedPrecision | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A train step over ``layout``: ``step(state, local_batch) -> (state, metrics)`` (see the module doc).
 
@@ -163,9 +184,19 @@ def make_train_step(
     With ``pp > 1`` each rank's optimizer sees its stage's gradients; global
     norms (``clip_by_global_norm``, ``metrics["grad_norm"]``) add the squares
     of every stage (``ftitan.tree.norm_across``).
+
+    ``precision`` (``ftitan.train.MixedPrecision``, e.g.
+    ``MixedPrecision.from_names("fp32", "bf16", "fp32").for_model(model)``): gathers and
+    compute in its compute dtype, data-parallel gradient reductions in its reduce dtype
+    (see the module docstring). Not yet with ``grad_fn`` (pipeline parallelism).
     """
     if grad_fn is None and loss_fn is None:
         raise ValueError("parallel.make_train_step: pass a loss_fn, or a grad_fn (e.g. parallel.pipeline_grad(...))")
+    if grad_fn is not None and precision is not None and not precision.is_full:
+        raise ValueError(
+            f"parallel.make_train_step: precision={precision.names} with a grad_fn (pipeline parallelism) is "
+            f"not supported yet; run pp > 1 in float32 (precision=None)"
+        )
     cache: dict[Any, Callable[..., Any]] = {}
 
     def grad_fn_for(params: Any) -> Callable[..., Any]:
@@ -175,7 +206,8 @@ def make_train_step(
             if grad_fn is not None:
                 fn = grad_fn(shardings)
             else:
-                fn = value_and_grad(make_parallel_loss(loss_fn, layout, shardings), impl="autograd")
+                local_loss = make_parallel_loss(loss_fn, layout, shardings, precision=precision)
+                fn = value_and_grad(local_loss, impl="autograd")
             if compile:
                 fn = _compiled(fn, compile)
             cache[key] = fn

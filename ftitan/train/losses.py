@@ -136,7 +136,11 @@ def chunked_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of ``h @ w.T`` against ``targets`` without materializing all logits.
 
-    Logits are computed in float32 (float64 for float64 params) one ``(chunk_size, V)`` block at a time.
+    Logits are computed in float32 (float64 for float64 params) one ``(chunk_size, V)`` block at a time:
+    under mixed precision (``ftitan.train.MixedPrecision``) the bfloat16 ``h`` and ``w`` are upcast
+    before the head matmul, so the logits are the exact products of the compute-dtype values summed in
+    float32, and the log-softmax and the loss are float32; the gradients come back in ``h``'s and
+    ``w``'s dtypes.
     ``reduction="mean"`` divides by the number of non-ignored targets (at
     least 1), ``"sum"`` does not. When no gradient is needed (evaluation),
     only the loss is computed.

@@ -19,6 +19,7 @@ from ftitan import optim
 from ftitan import tree as T
 from ftitan.optim.masking import merge, subset
 from ftitan.optim.transform import scalar_dtype
+from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.state import Trainable, TrainState
 
 __all__ = ["make_train_step", "value_and_grad"]
@@ -113,6 +114,7 @@ def make_train_step(
     update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
     donate: bool = False,
     trainable: Trainable | None = None,
+    precision: MixedPrecision | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A pure train step: ``step(state, batch) -> (state, metrics)``.
 
@@ -155,9 +157,17 @@ def make_train_step(
     and moment (an AdamW update of 32M parameters: 26 ms against 46 ms on two
     CPU cores). The values are the same; only the old state is gone, so do
     not read it after the call (``state, m = step(state, batch)`` is safe).
+
+    ``precision`` (a :class:`~ftitan.train.MixedPrecision`, e.g.
+    ``MixedPrecision.from_names("fp32", "bf16", "fp32").for_model(model)``)
+    runs the loss on the params cast to its ``compute_dtype`` inside the
+    differentiated function (:meth:`~ftitan.train.MixedPrecision.cast_loss`):
+    params, gradients and optimizer state stay in the masters' dtype, the
+    loss is float32. ``None`` or ``MixedPrecision()`` is the float32 step.
     """
     if accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps={accum_steps} must be >= 1")
+    loss_fn = apply_precision(loss_fn, precision)
     grad_fn = value_and_grad(loss_fn, impl=grad_impl)
     weighted = _takes_weight(optimizer)
 
