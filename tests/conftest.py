@@ -10,3 +10,25 @@ os.environ.setdefault("TRITON_CACHE_DIR", str(_CACHE / "triton"))
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture()
+def tiny_run_cfg(tmp_path):
+    """A 2-step ``llama3-debug`` run (1 layer, dim 32, BPE of 300 on a small JSONL corpus) as the CLI parses it;
+    ``cfg.run_dir`` is ``tmp_path / "run"``."""
+    from ftitan.config import parse_train_args
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200)))
+    return parse_train_args([
+        "--recipe", "llama3-debug", "--run-dir", str(tmp_path / "run"), "--data.corpus", str(corpus),
+        "--data.vocab-size", "300", "--model.vocab-size", "300", "--model.n-layers", "1", "--model.dim", "32",
+        "--model.n-heads", "2", "--model.n-kv-heads", "1", "--model.ffn-dim", "48", "--data.seq-len", "16",
+        "--data.batch-size", "2", "--steps", "2", "--optim.warmup", "1", "--eval-every", "2", "--eval-batches", "1",
+        "--ckpt-every", "2", "--log-every", "1", "--compile", "False",
+    ])  # fmt: skip

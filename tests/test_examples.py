@@ -87,3 +87,14 @@ def test_transforms_example_runs_and_checks_itself(family):
     vhv = re.search(r"v\^T H v = (-?\d+\.\d+)", out.stdout)
     assert vhv and float(vhv.group(1)) != 0.0, out.stdout
     assert re.search(r"filtered grad: \d+ attention weights of \d+ params", out.stdout), out.stdout
+
+
+def test_finetune_hf_example_trains_and_saves_what_transformers_loads(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), "--steps", "20",
+                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, last = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", out.stdout).groups())
+    assert last < first - 0.2, out.stdout  # it trains on the JSONL with the checkpoint's own tokenizer
+    assert float(re.search(r"logit difference\| vs ftitan (\S+)", out.stdout).group(1)) <= 1e-5
+    config = (tmp_path / "run" / "tokenizer_config.json").read_text()
+    assert '"</s>"' in config  # the run trained with the checkpoint's tokenizer, copied into its directory

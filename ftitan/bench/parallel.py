@@ -149,7 +149,7 @@ def _worker_layout(cfg: dict[str, Any], degrees: dict[str, int], warmup: int, ro
     # the trainer's runtime: pipeline stages (4 micro-batches) when pp > 1
     rt = Runtime(parallel.Layout(parallel.mesh(**degrees)), ParallelConfig(**degrees, pp_microbatches=4))
     layout = rt.layout
-    params = rt.place(model.init(ft.random.key(0)), model)
+    params = rt.init_params(model, ft.random.key(0))
     step = rt.make_step(model, ft.train.next_token_loss(model), opt, accum_steps=1, compile=False,
                         update_buffers=model.update_buffers)  # fmt: skip
     state, local = ft.train.init_state(params, opt), parallel.shard_batch(batch, layout)

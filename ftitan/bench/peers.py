@@ -22,6 +22,7 @@ the same parameter count for the same config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -92,7 +93,7 @@ def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def make_batch(cfg: Mapping[str, Any], *, seed: int = 0) -> torch.Tensor:
+def make_batch(cfg: Mapping[str, Any], *, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
     """Fixed random token ids of shape ``(batch_size, seq_len + 1)`` (int64).
 
     Inputs are ``[:, :-1]`` and next-token labels ``[:, 1:]``; the same
@@ -101,7 +102,7 @@ def make_batch(cfg: Mapping[str, Any], *, seed: int = 0) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return torch.randint(
         0, cfg["vocab_size"], (cfg["batch_size"], cfg["seq_len"] + 1), generator=g
-    )
+    ).to(device)
 
 
 def _adamw(params, *, lr: float, impl: str) -> torch.optim.AdamW:
@@ -150,8 +151,8 @@ class PeerStep:
 # Hugging Face transformers
 
 
-def build_hf_llama(cfg: Mapping[str, Any], *, seed: int = 0) -> nn.Module:
-    """``transformers.LlamaForCausalLM`` for ``cfg``: fp32, SDPA, no KV cache.
+def build_hf_llama(cfg: Mapping[str, Any], *, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """``transformers.LlamaForCausalLM`` for ``cfg``: fp32, SDPA, no KV cache, built on ``device``.
 
     Weights come from HF's own init (normal, std 0.02) under ``seed``.
     """
@@ -174,9 +175,8 @@ def build_hf_llama(cfg: Mapping[str, Any], *, seed: int = 0) -> nn.Module:
         use_cache=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(
-        hf_cfg, attn_implementation="sdpa", dtype=torch.float32
-    )
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
     return model.train()
 
 
@@ -187,6 +187,8 @@ def hf_llama_step(
     seed: int = 0,
     lr: float = DEFAULT_LR,
     adamw_impl: str = "default",
+    device: str | torch.device = "cpu",
+    autocast_dtype: torch.dtype | None = None,
 ) -> PeerStep:
     """HF ``LlamaForCausalLM`` train step, the way HF users write it.
 
@@ -196,15 +198,19 @@ def hf_llama_step(
     ``torch.compile`` (inductor; the loss is inside the compiled forward); the
     optimizer stays eager. ``adamw_impl``: "default" (torch's choice: the
     for-loop kernel on CPU tensors), "foreach", "fused" or "for-loop".
+    ``autocast_dtype`` (e.g. bf16): mixed precision as HF's Trainer runs it,
+    fp32 master weights and the forward under ``torch.autocast``.
     """
-    model = build_hf_llama(cfg, seed=seed)
+    model = build_hf_llama(cfg, seed=seed, device=device)
     opt = _adamw(model.parameters(), lr=lr, impl=adamw_impl)
     fwd = torch.compile(model) if compile else model
-    input_ids = make_batch(cfg, seed=seed)[:, :-1].contiguous()
+    input_ids = make_batch(cfg, seed=seed, device=device)[:, :-1].contiguous()
+    device_type = torch.device(device).type
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = fwd(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        with torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext():
+            loss = fwd(input_ids=input_ids, labels=input_ids, use_cache=False).loss
         loss.backward()
         opt.step()
         return loss.item()

@@ -5,6 +5,9 @@ Measures tokens/s of a full fwd + bwd + AdamW step of one Llama 3 config
 for, in the same process, alternating after warm-up:
 
 - ``ftitan-compiled``: ``torch.compile(make_train_step(..., donate=True), fullgraph=True)``
+- ``ftitan-compiled-streaming``: the compiled step fed by the streaming loader
+  (sharded JSONL, tokenized ahead by its background thread) instead of one
+  pre-tokenized batch; the output's ``loader`` is that loader's own tokens/s
 - ``ftitan-eager``: the same step, uncompiled
 - ``hf-eager`` / ``hf-compiled``: ``transformers.LlamaForCausalLM`` +
   ``torch.optim.AdamW`` (the model under ``torch.compile`` for the latter)
@@ -13,17 +16,26 @@ for, in the same process, alternating after warm-up:
   block as TorchTitan does
 
 Every peer uses the same architecture, batch and AdamW hyperparameters;
-torch's AdamW runs its ``fused`` CPU kernel (TorchTitan's default and the
+torch's AdamW runs its ``fused`` kernel (TorchTitan's default and the
 fastest torch offers). Achieved model FLOP/s are reported against a GEMM peak
-measured in the same run. Prints one JSON object (see DESIGN.md,
-"Benchmarks"); ``--out FILE`` also writes it.
+measured in the same run (in the compute dtype) and, on a GPU whose dense
+bf16 peak is published (H100/H200: 989 TFLOP/s), against that peak: MFU.
+Prints one JSON object (see DESIGN.md, "Benchmarks"); ``--out FILE`` also
+writes it.
+
+``--device cuda --mixed-precision bf16 --model llama3-8b-2layers`` is the GPU
+measurement (fp32 master weights and AdamW state, bf16 forward and backward:
+``ftitan.train.MixedPrecision`` for ftitan, ``torch.autocast`` for HF). On the
+CPU the 1B / 8B shapes do not fit with fp32 optimizer state; ``--quick``
+shrinks any shape to a smoke-test size.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +50,9 @@ __all__ = ["Options", "ftitan_step", "main", "run"]
 GOALS = {
     "ftitan-compiled/hf-eager": 1.2,
     "ftitan-compiled/best-compiled-peer": 1.0,
+    "ftitan-compiled-streaming/ftitan-compiled": 0.95,  # the streaming loader costs the step <= 5% (real runs, 4)
 }
+MFU_GOAL_8B = 0.45  # of the device's dense bf16 peak, on the 8B shape (issue: real runs, item 5)
 
 
 @attrs.frozen(kw_only=True)
@@ -47,6 +61,7 @@ class Options:
 
     peers: tuple[str, ...] = (
         "ftitan-compiled",
+        "ftitan-compiled-streaming",
         "ftitan-eager",
         "hf-eager",
         "hf-compiled",
@@ -62,11 +77,33 @@ class Options:
     """torch threads (0: keep torch's default)."""
     quick: bool = False
     """A tiny config (a smoke run, not a measurement)."""
+    model: str = "core"
+    """The shape: "core" (dim 512, 8 layers, CPU-sized), "llama3-1b" or "llama3-8b-2layers" (Llama 3 8B's
+    layer and vocabulary, 2 layers: what fits one GPU beside its fp32 AdamW state)."""
+    device: str = "auto"
+    """"auto" (CUDA when available), "cpu" or "cuda"."""
+    mixed_precision: str = "fp32"
+    """Compute dtype of the forward and backward: "fp32" or "bf16" (master weights stay fp32)."""
+    seq_len: int = 0
+    """Override the shape's sequence length (0: the shape's own)."""
+    batch_size: int = 0
+    """Override the shape's rows per step (0: the shape's own)."""
     out: Path | None = None
     """Also write the JSON to this file."""
 
 
-QUICK_CONFIG = dict(peers.CORE_CONFIG, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
+QUICK_CONFIG = dict(peers.CORE_CONFIG, vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
+# Llama 3.2 1B and Llama 3 8B (2 of its 32 layers) as published; batch x seq: 16k tokens a step
+SHAPES: dict[str, dict[str, Any]] = {
+    "core": peers.CORE_CONFIG,
+    "llama3-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192,
+                      seq_len=2048, batch_size=8, rope_theta=500000.0),
+    "llama3-8b-2layers": dict(vocab_size=128256, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                              seq_len=4096, batch_size=4, rope_theta=500000.0),
+}  # fmt: skip
+# published dense bf16 peaks (no sparsity), by a substring of torch.cuda.get_device_name()
+DEVICE_BF16_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _llama_config(cfg: dict[str, Any]) -> Any:
@@ -88,43 +125,90 @@ def _llama_config(cfg: dict[str, Any]) -> Any:
     )
 
 
-def ftitan_step(cfg: dict[str, Any], *, compile: bool, seed: int = 0) -> Callable[[], float]:
-    """The ftitan peer: the pure step, state carried between calls by the caller's loop."""
+def ftitan_step(
+    cfg: dict[str, Any],
+    *,
+    compile: bool,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+    batches: Iterator[dict[str, torch.Tensor]] | None = None,
+) -> Callable[[], float]:
+    """The ftitan peer: the pure step, state carried between calls by the caller's loop.
+
+    ``batches``: draw each step's batch from this loader (e.g. the streaming one) instead of reusing
+    one pre-tokenized batch: the step time then includes whatever the loader makes the step wait.
+    """
     import ftitan as ft
     from ftitan.models import llama
 
     model = llama.model(_llama_config(cfg))
-    params = model.init(ft.random.key(seed))
+    params = model.init(ft.random.key(seed), device=device)
     opt = ft.optim.adamw(
         peers.DEFAULT_LR, b1=peers.ADAMW_BETAS[0], b2=peers.ADAMW_BETAS[1], eps=peers.ADAMW_EPS,
         weight_decay=peers.ADAMW_WEIGHT_DECAY,
     )
+    precision = ft.train.MixedPrecision(compute_dtype=compute_dtype).for_model(model)
     # donated, as the trainer runs it: params and moments updated in place, like the peers' torch.optim
-    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True)
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True, precision=precision)
     if compile:
         step = torch.compile(step, fullgraph=True)
-    tokens = peers.make_batch(cfg, seed=seed)
+    tokens = peers.make_batch(cfg, seed=seed, device=device)
     batch = {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
     state = ft.train.init_state(params, opt)
 
     def run_one() -> float:
         nonlocal state
-        state, metrics = step(state, batch)
+        b = batch if batches is None else {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+        state, metrics = step(state, b)
         return float(metrics["loss"])
 
+    run_one.close = getattr(batches, "close", lambda: None)  # type: ignore[attr-defined]
     return run_one
 
 
-def _build(name: str, cfg: dict[str, Any]) -> Callable[[], float]:
+STREAMING_PEER = "ftitan-compiled-streaming"
+
+
+def streaming_loader(cfg: dict[str, Any], directory: Path) -> tuple[Any, Any]:
+    """A sharded JSONL corpus (stdlib documents, 4 shards) under ``directory`` and a BPE trained on it:
+    ``(source, tokenizer)`` for the streaming loader."""
+    import json
+
+    import ftitan as ft
+
+    docs = [d for _, d in zip(range(4000), ft.data.stdlib_corpus())]
+    for k in range(4):
+        (directory / f"part-{k}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[k::4]))
+    tok = ft.data.train_tokenizer(docs[:1000], min(cfg["vocab_size"], 8192))
+    return ft.data.shards(directory), tok
+
+
+def _streaming(cfg: dict[str, Any], source: Any, tok: Any) -> Iterator[dict[str, torch.Tensor]]:
+    import ftitan as ft
+
+    state = ft.data.init_stream_state(0, cfg["batch_size"])
+    return ft.data.prefetch(ft.data.stream_batches(source, tok, state, seq_len=cfg["seq_len"],
+                                                   batch_size=cfg["batch_size"]))  # fmt: skip
+
+
+def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
+           loader: tuple[Any, Any] | None = None) -> Callable[[], float]:  # fmt: skip
+    if name == STREAMING_PEER:
+        assert loader is not None
+        return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader))
     family, _, mode = name.rpartition("-")
     compile = mode == "compiled"
     if mode not in ("eager", "compiled"):
         raise ValueError(f"unknown peer {name!r}; peers end in -eager or -compiled")
     if family == "ftitan":
-        return ftitan_step(cfg, compile=compile)
+        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype)
     if family == "hf":
-        return peers.hf_llama_step(cfg, compile=compile, adamw_impl="fused")
+        autocast = dtype if dtype != torch.float32 else None
+        return peers.hf_llama_step(cfg, compile=compile, adamw_impl="fused", device=device, autocast_dtype=autocast)
     if family == "torchtitan":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError("the torchtitan peer runs fp32 on the CPU only (its SDPA Llama build)")
         return peers.torchtitan_llama_step(cfg, compile=compile, adamw_impl="fused")
     raise ValueError(f"unknown peer {name!r}; known families: ftitan, hf, torchtitan")
 
@@ -136,42 +220,99 @@ def _ratios(results: dict[str, Any]) -> dict[str, float]:
         return out
     ours = tps["ftitan-compiled"]
     for peer in sorted(tps):
-        if peer != "ftitan-compiled":
+        if peer not in ("ftitan-compiled", STREAMING_PEER):
             out[f"ftitan-compiled/{peer}"] = ours / tps[peer]
+    if STREAMING_PEER in tps:  # the streaming loader's cost to the step
+        out[f"{STREAMING_PEER}/ftitan-compiled"] = tps[STREAMING_PEER] / ours
     compiled_peers = [tps[p] for p in ("hf-compiled", "torchtitan-compiled") if p in tps]
     if compiled_peers:
         out["ftitan-compiled/best-compiled-peer"] = ours / max(compiled_peers)
     return out
 
 
+def _config(opts: Options) -> dict[str, Any]:
+    if opts.model not in SHAPES:
+        raise ValueError(f"--model={opts.model!r}: expected one of {tuple(SHAPES)}")
+    cfg = dict(QUICK_CONFIG if opts.quick else SHAPES[opts.model])
+    for key in ("seq_len", "batch_size"):
+        if getattr(opts, key) < 0:
+            raise ValueError(f"--{key.replace('_', '-')}={getattr(opts, key)}: must be >= 0 (0: the shape's own)")
+        cfg[key] = getattr(opts, key) or cfg[key]
+    return cfg
+
+
+def _device_peak(device: torch.device) -> dict[str, Any] | None:
+    """The device's published dense bf16 peak, when it is one we know."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in DEVICE_BF16_PEAKS.items():
+        if key in name:
+            return {"device": name, "dtype": "bfloat16", "flops_per_s": flops}
+    return None
+
+
+def _skipped(names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    skipped = {}
+    for n in [n for n in names if n.startswith("torchtitan")]:
+        if importlib.util.find_spec("torchtitan") is None:
+            skipped[n] = "torchtitan is not installed: pip install -e '.[bench]'"
+        elif device.type != "cpu" or dtype != torch.float32:
+            skipped[n] = "the torchtitan peer is built for fp32 on the CPU (SDPA Llama); run it with --device cpu"
+    return skipped
+
+
 def run(opts: Options) -> dict[str, Any]:
     """Run the benchmark and return its JSON-ready result."""
+    from ftitan.train.runtime import resolve_device
+
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    cfg = dict(QUICK_CONFIG if opts.quick else peers.CORE_CONFIG)
-    skipped = {}
+    if opts.mixed_precision not in DTYPES:
+        raise ValueError(f"--mixed-precision={opts.mixed_precision!r}: expected one of {tuple(DTYPES)}")
+    device, dtype, cfg = resolve_device(opts.device), DTYPES[opts.mixed_precision], _config(opts)
     names = list(opts.peers)
-    if importlib.util.find_spec("torchtitan") is None:
-        for n in [n for n in names if n.startswith("torchtitan")]:
-            names.remove(n)
-            skipped[n] = "torchtitan is not installed: pip install -e '.[bench]'"
-    steps = {n: _build(n, cfg) for n in names}
-    measured = timing.time_steps(
-        steps, tokens_per_step=cfg["batch_size"] * cfg["seq_len"], warmup=opts.warmup, rounds=opts.rounds
-    )
-    peak = timing.gemm_peak_flops()
+    skipped = _skipped(names, device, dtype)
+    with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
+        loader = streaming_loader(cfg, Path(tmp)) if STREAMING_PEER in names else None
+        steps = {n: _build(n, cfg, device, dtype, loader) for n in names if n not in skipped}
+        measured = timing.time_steps(
+            steps, tokens_per_step=cfg["batch_size"] * cfg["seq_len"], warmup=opts.warmup, rounds=opts.rounds
+        )
+        loader_speed = None
+        if loader is not None:
+            from ftitan.data import loader_throughput
+
+            loader_speed = loader_throughput(*loader, seq_len=cfg["seq_len"], batch_size=cfg["batch_size"])
+        for fn in steps.values():
+            close = getattr(fn, "close", None)
+            if close is not None:
+                close()
+    on_gpu = device.type == "cuda"
+    peak = timing.gemm_peak_flops(8192 if on_gpu else 2048, dtype, device=device)
+    device_peak = _device_peak(device)
     flops_per_token = _llama_model_flops(cfg)
     results = measured["results"]
     for r in results.values():
         r["model_flops_per_s"] = r["tokens_per_s"] * flops_per_token
         r["mfu_vs_gemm_peak"] = r["model_flops_per_s"] / peak["flops_per_s"]
+        if device_peak is not None:
+            r["mfu_vs_device_peak"] = r["model_flops_per_s"] / device_peak["flops_per_s"]
     ratios = _ratios(results)
     goals = {k: v for k, v in GOALS.items() if k in ratios}
+    if device_peak is not None and "ftitan-compiled" in results:
+        ratios["ftitan-compiled/device-peak"] = results["ftitan-compiled"]["mfu_vs_device_peak"]  # MFU
+        if opts.model == "llama3-8b-2layers" and not opts.quick:
+            goals["ftitan-compiled/device-peak"] = MFU_GOAL_8B
     return {
         "bench": "step",
-        "config": cfg | {"dtype": "float32", "optimizer": "adamw", "quick": opts.quick},
+        "config": cfg | {"model": "quick" if opts.quick else opts.model, "dtype": "float32",
+                         "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
+                         "optimizer": "adamw", "quick": opts.quick},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
+        "device_peak": device_peak,
+        "loader": loader_speed,
         "model_flops_per_token": flops_per_token,
         "results": results,
         "skipped": skipped,

@@ -175,7 +175,7 @@ def _cpu_model() -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    """``{"cpu", "threads", "cores", "torch", "python", "platform"}``.
+    """``{"cpu", "threads", "cores", "torch", "python", "platform", "gpu"}`` (``gpu``: CUDA device 0's name).
 
     ``threads`` is ``torch.get_num_threads()`` (what intra-op kernels use),
     ``cores`` is ``os.cpu_count()``.
@@ -187,6 +187,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

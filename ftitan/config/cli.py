@@ -22,15 +22,18 @@ the culprit and exit with status 2 (``SystemExit``); the rest of the checks
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
+import attrs
 import tyro
 
 from ftitan.config.recipes import RECIPES, get_recipe
 from ftitan.config.schema import TrainConfig
 from ftitan.config.validate import validate
 
-__all__ = ["DEFAULT_RECIPE", "parse_train_args"]
+__all__ = ["DEFAULT_RECIPE", "from_hf_checkpoint", "parse_train_args"]
 
 DEFAULT_RECIPE = "llama3-debug"
 _TYRO_CONFIG = (tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands)
@@ -55,15 +58,45 @@ def _split_recipe(argv: Sequence[str]) -> tuple[str, list[str]]:
     return name, rest
 
 
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` / ``flag=VALUE`` in ``args``."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.removeprefix(flag + "=")
+    return value
+
+
+def from_hf_checkpoint(base: TrainConfig, directory: str, *, tokenizer: bool = True) -> TrainConfig:
+    """``base`` starting from the HF checkpoint in ``directory``: its architecture (``config.json``), its
+    vocabulary size, and (``tokenizer=True``) its own ``tokenizer.json`` when it has one."""
+    from ftitan.models import hf
+
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"--init.hf={directory!r}: no config.json there; expected an HF checkpoint directory "
+                         "(a transformers save_pretrained directory)")  # fmt: skip
+    model = hf.config_from_hf(json.loads(config.read_text()))
+    own_tokenizer = tokenizer and (Path(directory) / "tokenizer.json").is_file()
+    data = attrs.evolve(base.data, vocab_size=model.vocab_size, seq_len=min(base.data.seq_len, model.max_seq_len),
+                        tokenizer=str(directory) if own_tokenizer else base.data.tokenizer)  # fmt: skip
+    return attrs.evolve(base, model=model, data=data, init=attrs.evolve(base.init, hf=str(directory)))
+
+
 def parse_train_args(argv: Sequence[str], *, prog: str | None = None) -> TrainConfig:
     """Build the run ``argv`` asks for: recipe, then dotted overrides, then ``validate``.
 
-    ``--recipe`` defaults to ``llama3-debug``. Raises ``ValueError`` for an
-    unknown recipe or a failed check; tyro raises ``SystemExit`` (2 for a bad
-    flag, 0 after ``--help``).
+    ``--recipe`` defaults to ``llama3-debug``. ``--init.hf DIR`` starts from an HF checkpoint: the
+    model is DIR's architecture (``--model.*`` flags still override it) and the data uses DIR's
+    tokenizer unless ``--data.tokenizer`` says otherwise. Raises ``ValueError`` for an unknown recipe
+    or a failed check; tyro raises ``SystemExit`` (2 for a bad flag, 0 after ``--help``).
     """
     name, rest = _split_recipe(argv)
     base = get_recipe(name)
+    if (hf_dir := _flag_value(rest, "--init.hf")) is not None and hf_dir:
+        base = from_hf_checkpoint(base, hf_dir, tokenizer=_flag_value(rest, "--data.tokenizer") is None)
     description = (
         f"Train with recipe {name!r} (choose with --recipe NAME; known: {', '.join(sorted(RECIPES))}). "
         "Flags below override its fields."

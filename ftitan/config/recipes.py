@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from ftitan.config.schema import DataConfig, OptimConfig, ParallelConfig, TrainConfig
+from ftitan.config.schema import DataConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, TrainConfig
 from ftitan.config.transforms import compose, with_layers, with_vocab
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
@@ -114,10 +114,12 @@ def llama3_debug_fsdp_tp() -> TrainConfig:
 
 
 def _published(model: llama.Config, *, seq_len: int, batch_size: int) -> TrainConfig:
-    """A config around a published flavor: its vocabulary, AdamW at a pretraining-scale lr."""
+    """A config around a published flavor: its vocabulary, AdamW at a pretraining-scale lr, bf16 compute
+    (fp32 masters and optimizer state)."""
     return TrainConfig(
         recipe="",
         model=model,
+        mixed_precision=MixedPrecisionConfig(compute="bf16"),
         optim=OptimConfig(name="adamw", lr=3e-4, warmup=200, schedule="cosine"),
         data=DataConfig(corpus="stdlib", vocab_size=model.vocab_size, seq_len=seq_len, batch_size=batch_size),
         steps=2000,

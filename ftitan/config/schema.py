@@ -45,8 +45,8 @@ class OptimConfig:
 class DataConfig:
     """Where tokens come from and how they are batched."""
 
-    corpus: str = "stdlib"  # "stdlib" (the interpreter's standard library source), or a .txt / .jsonl path
-    jsonl_field: str = "text"  # field holding the document text in a .jsonl corpus
+    corpus: str = "stdlib"  # "stdlib" (the interpreter's standard library source), or .parquet / .jsonl / .txt files, a directory or a glob (streamed)
+    jsonl_field: str = "text"  # field holding the document text in .jsonl / .parquet shards
     vocab_size: int = 2048  # byte-level BPE vocabulary trained on the corpus (cached in the run dir)
     tokenizer: str = ""  # an HF tokenizer directory (tokenizer.json) to use instead of training a BPE
     seq_len: int = 256  # tokens per training row

@@ -23,7 +23,6 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")  # what ftitan.optim.from_config
 SCHEDULES: tuple[str, ...] = ("cosine", "wsd", "constant")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 MIN_VOCAB = 257  # byte-level BPE: 256 byte tokens plus at least one merge / special token
-_CORPUS_SUFFIXES = (".txt", ".jsonl")
 
 
 def _fail(flag: str, value: object, fix: str) -> ValueError:
@@ -84,6 +83,9 @@ def _check_parallel(cfg: TrainConfig) -> None:
             raise _fail("--parallel.pp-microbatches", n, f"each rank's batch of {local} rows (--data.batch-size / "
                         f"{data_ranks} data-parallel ranks) must split into that many micro-batches; use a divisor "
                         f"of {local}, or a larger batch")  # fmt: skip
+    if p.pp > 1 and cfg.mixed_precision.compute != "fp32":
+        raise _fail("--mixed-precision.compute", cfg.mixed_precision.compute, "pipeline parallel runs in fp32 for "
+                    "now; use --mixed-precision.compute fp32 with --parallel.pp > 1")  # fmt: skip
     if cfg.compile and (p.pp > 1 or p.ep > 1):
         why = "pipeline sends and receives" if p.pp > 1 else "the expert all-to-all, sized by the routing,"
         raise _fail("--compile", cfg.compile, f"with --parallel.{'pp' if p.pp > 1 else 'ep'} > 1 the step runs "
@@ -94,8 +96,17 @@ def _check_parallel(cfg: TrainConfig) -> None:
 
 def _check_data(cfg: TrainConfig) -> None:
     d = cfg.data
-    if d.corpus != "stdlib" and not (d.corpus.endswith(_CORPUS_SUFFIXES) and Path(d.corpus).is_file()):
-        raise _fail("--data.corpus", d.corpus, "use 'stdlib' or the path of an existing .txt / .jsonl file")
+    if d.corpus != "stdlib":
+        from ftitan.data import shards
+
+        try:
+            shards(d.corpus, field=d.jsonl_field)
+        except (ValueError, FileNotFoundError) as e:
+            raise _fail("--data.corpus", d.corpus, f"use 'stdlib', or .parquet / .jsonl / .txt files, a directory of "
+                        f"them or a glob ({e})") from None  # fmt: skip
+    if d.tokenizer:
+        _check_tokenizer(cfg)
+        return
     if d.vocab_size < MIN_VOCAB:
         raise _fail("--data.vocab-size", d.vocab_size, f"byte-level BPE needs >= {MIN_VOCAB} (256 bytes + merges)")
     if d.seq_len < 1:
@@ -129,6 +140,18 @@ def _check_runtime(cfg: TrainConfig) -> None:
                     "*.safetensors (a transformers save_pretrained directory)")  # fmt: skip
 
 
+def _check_tokenizer(cfg: TrainConfig) -> None:
+    from ftitan.data import pretrained_tokenizer
+
+    try:
+        tok = pretrained_tokenizer(cfg.data.tokenizer)
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail("--data.tokenizer", cfg.data.tokenizer, f"expected an HF tokenizer directory ({e})") from None
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise _fail("--data.tokenizer", cfg.data.tokenizer, f"its {tok.vocab_size} tokens do not fit the model's "
+                    f"--model.vocab-size={cfg.model.vocab_size}; raise it or use the model's own tokenizer")  # fmt: skip
+
+
 def _check_loop(cfg: TrainConfig) -> None:
     if cfg.steps < 1:
         raise _fail("--steps", cfg.steps, "train for at least 1 step")
@@ -146,7 +169,7 @@ def _check_loop(cfg: TrainConfig) -> None:
 
 def _check_cross(cfg: TrainConfig) -> None:
     m, d = cfg.model, cfg.data
-    if m.vocab_size != d.vocab_size:
+    if m.vocab_size != d.vocab_size and not d.tokenizer:
         raise ValueError(
             f"--model.vocab-size={m.vocab_size} != --data.vocab-size={d.vocab_size}: the tokenizer's vocabulary "
             f"must match the embedding; set both to the same value"

@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ftitan import parallel
+from ftitan import parallel, random
 from ftitan import tree as T
 from ftitan.config.schema import ParallelConfig
 from ftitan.models.base import Model
+from ftitan.parallel.activations import split_sequence
 from ftitan.parallel.rules import local_slice
+from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.step import make_train_step
 
 __all__ = ["Runtime", "resolve_backend", "resolve_device", "setup"]
@@ -89,7 +91,7 @@ class Runtime:
         return 1 if self.layout is None else self.layout.sizes["pp"]
 
     def place(self, params: Any, model: Model) -> Any:
-        """``params`` (full) as this rank holds them: its pipeline stage, split by the rules."""
+        """``params`` (full, e.g. a single-process tree) as this rank holds them: its stage, split by the rules."""
         if self.layout is None:
             return T.map(lambda x: x.to(self.device), params)
         axes = model.param_axes
@@ -98,41 +100,111 @@ class Runtime:
         params = T.map(lambda x: x.to(self.device), params)
         return parallel.shard_params(params, axes, self.layout.rules, self.layout)
 
+    def init_params(self, model: Model, key: torch.Tensor) -> Any:
+        """This rank's params drawn directly on its device: its pipeline stage, only its blocks
+        (``ftitan.parallel.init_params``: equal to slicing the single-process init; never the whole model)."""
+        if self.layout is None:
+            return model.init(key, device=self.device)
+        return parallel.init_params(model, key, self.layout, device=self.device)
+
+    def load_hf(self, model: Model, directory: str) -> Any:
+        """This rank's params read from an HF checkpoint directory, only the slices it holds (safetensors
+        ``get_slice``), in float32 masters on its device; checked against ``model``'s shapes."""
+        from ftitan.models import hf
+
+        _, params = hf.load_hf_sharded(directory, self.layout, dtype=torch.float32, device=self.device)
+        paths, likes, _ = T.flatten_with_paths(model.init(random.key(0), device="meta"))
+        got_paths, got_leaves, _ = T.flatten_with_paths(params)
+        got = dict(zip(got_paths, got_leaves, strict=True))  # DTensors: global shapes; under pp, this stage's
+        for path, like in zip(paths, likes, strict=True):
+            if path not in got and self.pp > 1:
+                continue
+            if path not in got:
+                raise ValueError(f"--init.hf={directory!r}: the checkpoint has no {path}; is it the same architecture "
+                                 "as --model.*?")  # fmt: skip
+            if tuple(got[path].shape) != tuple(like.shape):
+                raise ValueError(f"--init.hf={directory!r}: {path} is {tuple(got[path].shape)} in the checkpoint but "
+                                 f"{tuple(like.shape)} in the run's model; drop the --model.* flags that change it")
+        return params
+
     def _pipeline(self, model: Model) -> Any:
         n = self.cfg.pp_microbatches or 2 * self.pp
         return parallel.pipeline_grad(model, self.layout, schedule=self.cfg.pp_schedule, n_microbatches=n)
 
     def make_step(
-        self, model: Model, loss_fn: Any, opt: Any, *, accum_steps: int, compile: bool, update_buffers: Any
+        self,
+        model: Model,
+        loss_fn: Any,
+        opt: Any,
+        *,
+        accum_steps: int,
+        compile: bool,
+        update_buffers: Any,
+        precision: MixedPrecision | None = None,
     ) -> Callable:
         if self.layout is None:
             # the loop never reads a state twice: the step writes the new one into its buffers
-            step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True)
+            step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True,
+                                   precision=precision)  # fmt: skip
             return torch.compile(step, fullgraph=True) if compile else step
         if accum_steps != 1:
             raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "
                              "(under pp, --parallel.pp-microbatches splits it)")  # fmt: skip
         if self.pp > 1:  # eager: the schedule's sends and receives run in Python
+            if precision is not None and not precision.is_full:
+                raise ValueError("--mixed-precision.compute: pipeline parallel runs in fp32 for now; "
+                                 "use --mixed-precision.compute fp32 with --parallel.pp > 1")  # fmt: skip
             return parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
                                             update_buffers=update_buffers)  # fmt: skip
-        return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers)
+        return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers,
+                                        precision=precision)  # fmt: skip
 
-    def local_batch(self, batch: Any) -> Any:
-        return batch if self.layout is None else parallel.shard_batch(batch, self.layout)
+    def data_rank(self) -> tuple[int, int]:
+        """``(index, count)``: which slice of each global batch's rows this rank trains on."""
+        return (0, 1) if self.layout is None else self.layout.data_rank()
 
-    def eval_loss(self, model: Model, loss_fn: Any, params: Any, batch: Any) -> float:
-        """The global batch's mean loss (MoE: without the balancing term)."""
+    def local_batch(self, batch: Any, *, rows_local: bool = False) -> Any:
+        """This rank's part of a global batch (its rows, its sequence chunks); ``rows_local``: ``batch``
+        already holds only this rank's rows (a streaming loader reads them alone), split the sequence only."""
+        if self.layout is None:
+            return batch
+        if rows_local:
+            return T.map(lambda x: split_sequence(x, self.layout, dim=1) if x.dim() > 1 else x, batch)
+        return parallel.shard_batch(batch, self.layout)
+
+    def gather_by_data_rank(self, mine: Any) -> list[Any]:
+        """Every data-parallel slice's ``mine`` (a small picklable value), in data-rank order (collective).
+        Ranks that share a slice (tp, cp, pp peers) hold the same value; one of each is kept."""
+        if self.layout is None:
+            return [mine]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.data_rank()[0], mine))
+        by_index = dict(everyone)
+        return [by_index[i] for i in range(self.data_rank()[1])]
+
+    def eval_loss(
+        self,
+        model: Model,
+        loss_fn: Any,
+        params: Any,
+        batch: Any,
+        *,
+        rows_local: bool = False,
+        precision: MixedPrecision | None = None,
+    ) -> float:
+        """The global batch's mean loss (MoE: without the balancing term), in ``precision``'s compute dtype."""
         if self.layout is None:
             with torch.no_grad():
-                loss, aux = loss_fn(params, batch)
+                loss, aux = apply_precision(loss_fn, precision)(params, batch)
             return float(aux.get("ce_loss", loss))
         shardings = T.map(parallel.sharding_of, params)
-        local_params, local_batch = parallel.to_local(params), self.local_batch(batch)
+        local_params, local_batch = parallel.to_local(params), self.local_batch(batch, rows_local=rows_local)
         if self.pp > 1:  # the pipeline's forward and backward; its gradients are dropped
             _, (loss, _) = self._pipeline(model)(shardings)(local_params, local_batch)
         else:
             with torch.no_grad(), parallel.use(self.layout):
-                loss, _ = parallel.make_parallel_loss(_ce_only(loss_fn), self.layout, shardings)(local_params, local_batch)
+                loss_of = parallel.make_parallel_loss(_ce_only(loss_fn), self.layout, shardings, precision=precision)
+                loss, _ = loss_of(local_params, local_batch)
         return float(self.layout.sum(loss.detach(), (*self.layout.data_axes(), "tp", "pp")))
 
     def to_full(self, tree: Any, full_like: Any) -> Any:

@@ -20,15 +20,16 @@ from typing import Any
 
 import torch
 
-from ftitan import data, optim, random, tree
+from ftitan import data, optim, random
 from ftitan.checkpoint.run import RunDir, load_run
 from ftitan.config.io import config_from_dict, config_to_dict
 from ftitan.config.schema import OptimConfig, TrainConfig
-from ftitan.data.pipeline import TrainBatches, loader_state_like
+from ftitan.data.pipeline import eval_rows, loader_state_like, train_batches
 from ftitan.models import registry
 from ftitan.train import runtime
 from ftitan.train.losses import next_token_loss
 from ftitan.train.metrics import MetricsSink, Throughput, plot_losses, to_record
+from ftitan.train.precision import MixedPrecision
 from ftitan.train.state import TrainState, init_state
 
 __all__ = ["build_optimizer", "config_from_dict", "config_to_dict", "evaluate", "load_run", "train"]
@@ -57,7 +58,7 @@ def _data(cfg: TrainConfig, rt: runtime.Runtime, run: RunDir) -> data.pipeline.R
         prepared = data.pipeline.prepare(cfg, run.path)
     rt.barrier()
     if not rt.is_main:
-        prepared = data.pipeline.prepare(cfg, run.path)
+        prepared = data.pipeline.prepare(cfg, run.path, write=False)
     return prepared
 
 
@@ -70,31 +71,37 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     prepared = _data(cfg, rt, run)
 
     model = registry.model_for(cfg.model)
-    full_params = model.init(random.key(cfg.seed))
-    opt = optim.from_config(cfg.optim, cfg.steps, full_params, frozen=model.frozen)
+    shapes = model.init(random.key(cfg.seed), device="meta")  # the whole model's shapes; allocates nothing
+    opt = optim.from_config(cfg.optim, cfg.steps, shapes, frozen=model.frozen)
     loss_fn = next_token_loss(model)
+    mp = cfg.mixed_precision
+    precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)
     step_fn = rt.make_step(model, loss_fn, opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
-                           update_buffers=model.update_buffers)  # fmt: skip
-    state: TrainState = init_state(rt.place(full_params, model), opt, rng=random.key(cfg.seed))
-    # what a checkpoint holds: full tensors (shapes only here; meta allocates nothing)
-    full_like = init_state(tree.map(lambda x: x.to("meta"), full_params), opt, rng=random.key(cfg.seed))
+                           update_buffers=model.update_buffers, precision=precision)  # fmt: skip
+    # each rank materializes only its own blocks, on its device: drawn from the seed, or read from --init.hf
+    params = rt.load_hf(model, cfg.init.hf) if cfg.init.hf else rt.init_params(model, random.key(cfg.seed))
+    state: TrainState = init_state(params, opt, rng=random.key(cfg.seed))
+    full_like = init_state(shapes, opt, rng=random.key(cfg.seed))  # what a checkpoint holds: full tensors
     loader, start = loader_state_like(cfg), 0
     if resume and (found := run.resume({"state": full_like, "loader": loader})) is not None:
         restored, start = found  # full tensors: this rank takes its stage and blocks, on its device
         state, loader = rt.from_full(restored["state"], state), restored["loader"]
-    batches = TrainBatches(prepared.train, cfg.data.batch_size, state=loader, device=rt.device)
+    batches = train_batches(prepared, cfg, loader, device=rt.device, data_rank=rt.data_rank())
+    evals = eval_rows(prepared, cfg, device=rt.device, data_rank=rt.data_rank())
     sink = MetricsSink(run.path, keep_until=start) if rt.is_main else None
 
     def held_out_loss() -> float:
-        evals = batches.eval(prepared.eval, cfg.eval_batches)
-        return evaluate(functools.partial(rt.eval_loss, model, loss_fn), state.params, evals)
+        # in the compute dtype the step trains in
+        batch_loss = functools.partial(rt.eval_loss, model, loss_fn, rows_local=batches.rows_local, precision=precision)
+        return evaluate(batch_loss, state.params, evals)
 
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (progress and rt.is_main),
                unit="step")  # fmt: skip
     last: dict[str, Any] = {}
     speed = Throughput(cfg.data.batch_size * cfg.data.seq_len)
     for i in bar:
-        state, m = step_fn(state, rt.local_batch(next(batches)))  # data -> step: nothing waits for the device
+        batch = rt.local_batch(next(batches), rows_local=batches.rows_local)
+        state, m = step_fn(state, batch)  # data -> step: nothing waits for the device
         step = i + 1
         speed.step()
         if step % cfg.log_every == 0 or step == cfg.steps:  # record steps alone read metrics back
@@ -112,21 +119,23 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
                 bar.write(f"step {step}: held-out loss {ev:.4f}")
         if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
             full_state = rt.to_full(state, full_like)  # collective under a layout
+            loader = batches.global_state(rt.gather_by_data_rank)  # every rank's rows' position: collective
             if rt.is_main:
-                run.save(step, {"state": full_state, "loader": batches.state}, keep=cfg.keep, cfg_dict=cfg_dict)
+                run.save(step, {"state": full_state, "loader": loader}, keep=cfg.keep, cfg_dict=cfg_dict)
             rt.barrier()
         speed.exclude(time.perf_counter() - t_side)  # evaluation and checkpoints are not training time
     bar.close()
+    batches.close()
     records = sink.records if sink is not None else []
     if sink is not None:
         sink.close()
         plot_losses(records, run.path / "loss.png", f"{cfg.recipe}: {cfg.steps} steps")
-    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    held_out = [r["eval_loss"] for r in records if "eval_loss" in r]
     rt.close()
     return {
         "run_dir": str(run.path),
         "final_loss": last.get("loss", math.nan),
-        "eval_loss": evals[-1] if evals else math.nan,
+        "eval_loss": held_out[-1] if held_out else math.nan,
         "records": records,
         "model": model,
         "params": state.params,  # DTensors under a parallel layout

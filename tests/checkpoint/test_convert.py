@@ -4,8 +4,6 @@ same token ids), and an HF directory to a run directory that ``ftitan generate -
 Parity tolerance: max abs logit difference <= 1e-5 in float32 (same math, other summation orders).
 """
 
-import json
-
 import torch
 import transformers
 
@@ -13,29 +11,14 @@ import ftitan as ft
 from ftitan import tree
 from ftitan.__main__ import main
 from ftitan.checkpoint import load_run
-from ftitan.config import parse_train_args
 from ftitan.train.trainer import train
 
 ATOL = 1e-5
 
 
-def _tiny_run(tmp_path):
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200)))
-    run = tmp_path / "run"
-    cfg = parse_train_args([
-        "--recipe", "llama3-debug", "--run-dir", str(run), "--data.corpus", str(corpus), "--data.vocab-size", "300",
-        "--model.vocab-size", "300", "--model.n-layers", "1", "--model.dim", "32", "--model.n-heads", "2",
-        "--model.n-kv-heads", "1", "--model.ffn-dim", "48", "--data.seq-len", "16", "--data.batch-size", "2",
-        "--steps", "2", "--optim.warmup", "1", "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2",
-        "--log-every", "1", "--compile", "False",
-    ])  # fmt: skip
-    train(cfg, progress=False)
-    return run
-
-
-def test_run_to_hf_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path, capsys):
-    run, out = _tiny_run(tmp_path), tmp_path / "hf"
+def test_run_to_hf_loads_in_transformers_with_the_same_logits_and_tokens(tmp_path, tiny_run_cfg, capsys):
+    train(tiny_run_cfg, progress=False)
+    run, out = tmp_path / "run", tmp_path / "hf"
     assert main(["convert", "--run", str(run), "--hf", str(out)]) == 0
     _, model, params, tok, _ = load_run(run)
     hm = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()

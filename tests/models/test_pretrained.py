@@ -12,7 +12,6 @@ import transformers
 
 import ftitan as ft
 from ftitan import tree
-from ftitan.config import parse_train_args
 from ftitan.models import llama
 from ftitan.train.trainer import train
 
@@ -48,17 +47,8 @@ def test_hf_directory(tmp_path):
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(tree.leaves(params), tree.leaves(half), strict=True))
 
 
-def test_run_directory_gives_what_generate_run_loads(tmp_path):
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200)))
-    run = tmp_path / "run"
-    cfg = parse_train_args([
-        "--recipe", "llama3-debug", "--run-dir", str(run), "--data.corpus", str(corpus), "--data.vocab-size", "300",
-        "--model.vocab-size", "300", "--model.n-layers", "1", "--model.dim", "32", "--model.n-heads", "2",
-        "--model.n-kv-heads", "1", "--model.ffn-dim", "48", "--data.seq-len", "16", "--data.batch-size", "2",
-        "--steps", "2", "--optim.warmup", "1", "--eval-every", "2", "--eval-batches", "1", "--ckpt-every", "2",
-        "--log-every", "1", "--compile", "False",
-    ])  # fmt: skip
+def test_run_directory_gives_what_generate_run_loads(tmp_path, tiny_run_cfg):
+    cfg, run = tiny_run_cfg, tmp_path / "run"
     trained = train(cfg, progress=False)["params"]
     model, params = ft.models.from_pretrained(run, dtype=torch.bfloat16)  # load_run's params, as `generate --run`
     assert model.config == cfg.model and isinstance(model.config, llama.Config)
