@@ -1,4 +1,5 @@
-"""On a CUDA machine: ``ftitan train`` on the GPU in bf16, with CUDA's sync debug mode watching every step.
+"""On a CUDA machine: ``ftitan train`` on the GPU in bf16, with CUDA's sync debug mode watching every step, then
+compiled generation from the trained params on the GPU.
 
 Prints one ``RESULT {...}`` JSON line: the run's losses, and every synchronizing CUDA call seen outside
 record / evaluation / checkpoint steps (there must be none). Run from the repository root:
@@ -52,11 +53,16 @@ def main() -> None:
         out = trainer.train(cfg, progress=False)
         syncs = [(0, str(w.message)[:200]) for w in caught if "synchroniz" in str(w.message)]
     torch.cuda.set_sync_debug_mode("default")
+    from ftitan import infer, random
+
+    tok = out["tokenizer"]
+    sample = infer.generate(out["model"], out["params"], [tok.encode("def ")], max_new_tokens=16, compile=True,
+                            key=random.key(0), sampling=infer.Sampling(temperature=0.8))  # fmt: skip
     losses = [(r["step"], r["loss"], r.get("tokens_per_s")) for r in out["records"] if "loss" in r]
-    dtypes = sorted({str(x.dtype) for x in out["params"].values() if isinstance(x, torch.Tensor)} |
-                    {str(x.dtype) for x in torch.utils._pytree.tree_leaves(out["params"])})  # fmt: skip
+    dtypes = sorted({f"{x.dtype}@{x.device.type}" for x in torch.utils._pytree.tree_leaves(out["params"])})
     print("RESULT " + json.dumps({"check": "gpu_train", "losses": losses, "eval_loss": out["eval_loss"],
                                   "unexpected_syncs": syncs, "param_dtypes": dtypes,
+                                  "sample": tok.decode(tok.encode("def ") + sample[0]),
                                   "device": str(torch.cuda.get_device_name())}))  # fmt: skip
 
 

@@ -47,6 +47,8 @@ class GenerateOptions:
     """Sampling seed: the same seed gives the same samples."""
     n: int = 1
     """Number of samples."""
+    device: str = "auto"
+    """Where the params, KV cache and sampling live: "auto" (CUDA when available), "cpu" or "cuda"."""
 
 
 @attrs.frozen(kw_only=True)
@@ -106,7 +108,9 @@ def generate_main(argv: list[str]) -> int:
 
     opts = tyro.cli(GenerateOptions, args=argv, prog="ftitan generate")
     try:
-        _cfg, model, params, tok, step = load_run(opts.run)
+        from ftitan.train.runtime import resolve_device
+
+        _cfg, model, params, tok, step = load_run(opts.run, device=resolve_device(opts.device))
         if tok is None:
             raise ValueError(f"{opts.run} has no tokenizer.json (an HF import without tokenizer files); copy the "
                              "model's tokenizer.json and tokenizer_config.json into it")  # fmt: skip

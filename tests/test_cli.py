@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 
 def ftitan(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "ftitan", *args], capture_output=True, text=True, timeout=timeout)
@@ -34,7 +36,11 @@ def test_train_then_generate_end_to_end(tmp_path):
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert "at step 6" in gen.stdout and gen.stdout.count("--- sample") == 2
     assert gen.stdout.count("import ") >= 2  # each sample continues the prompt
-    again = ftitan("generate", "--run", str(run), "--prompt", "import ", "--n", "2", "--max-new-tokens", "8")
-    assert again.stdout == gen.stdout  # seeded sampling
+    again = ftitan("generate", "--run", str(run), "--prompt", "import ", "--n", "2", "--max-new-tokens", "8",
+                   "--device", "cpu")  # fmt: skip
+    assert again.stdout == gen.stdout  # seeded sampling; auto is the CPU here
+    if not torch.cuda.is_available():
+        no_gpu = ftitan("generate", "--run", str(run), "--device", "cuda")
+        assert no_gpu.returncode == 2 and "--device='cuda'" in no_gpu.stderr and "Traceback" not in no_gpu.stderr
     bad = ftitan("generate", "--run", str(run), "--top-p", "0")
     assert bad.returncode == 2 and "Sampling.top_p=0.0" in bad.stderr and "Traceback" not in bad.stderr
