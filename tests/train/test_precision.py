@@ -225,7 +225,7 @@ def test_rms_norm_statistics_are_fp32():
 # ---------------------------------------------------------------- compiled
 
 
-@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("deepseek_v3", marks=pytest.mark.slow)])  # MoE: slow tier
 def test_compiled_bf16_step_runs_fullgraph_without_recompiles(name):
     model = tiny_model(name)
     params = model.init(ft.random.key(0))
