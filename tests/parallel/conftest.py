@@ -15,10 +15,11 @@ ROOT = HERE.parents[1]
 
 
 def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[str, dict]:
-    """Run ``script`` under torchrun; ``{check name: result}`` from its ``RESULT {...}`` lines."""
+    """Run ``script`` under torchrun (``nproc=0``: one plain process, e.g. fake ranks);
+    ``{check name: result}`` from its ``RESULT {...}`` lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / script), *args]  # fmt: skip
+    runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else []
+    cmd = [sys.executable, *runner, str(HERE / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     results = {}
     for line in proc.stdout.splitlines():
@@ -33,6 +34,19 @@ def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[
 @pytest.fixture(scope="session")
 def parity_results() -> dict[str, dict]:
     return launch("_parity.py")
+
+
+@pytest.fixture(scope="session")
+def run_checks():
+    """:func:`launch`, for a test that runs its own checks."""
+    return launch
+
+
+@pytest.fixture(scope="module")
+def fake_ranks() -> dict[str, dict]:
+    """Every rank of dp_shard2_tp2 / ep2_dp_shard2 / pp2_tp2 simulated in one process (``_fake_ranks.py``)."""
+    layouts = ("dp_shard2_tp2", "ep2_dp_shard2", "pp2_tp2")
+    return launch("_fake_ranks.py", *(f"{kind}_{name}" for name in layouts for kind in ("init", "hf")), nproc=0)
 
 
 @pytest.fixture(scope="session")

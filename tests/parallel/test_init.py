@@ -14,12 +14,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -28,30 +22,6 @@ from ftitan import nn
 from ftitan.parallel import Sharding
 from ftitan.parallel.init import local_block
 from ftitan.parallel.rules import local_slice
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-
-
-def run_fake_ranks(*checks: str, timeout: int = 300) -> dict[str, dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(HERE / "_fake_ranks.py"), *checks], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT ") :])
-            results[r["check"]] = r
-    if proc.returncode != 0 or not results:
-        raise AssertionError(f"_fake_ranks.py failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-6000:]}")
-    return results
-
-
-@pytest.fixture(scope="module")
-def fake_ranks() -> dict[str, dict]:
-    layouts = ("dp_shard2_tp2", "ep2_dp_shard2", "pp2_tp2")
-    return run_fake_ranks(*(f"{kind}_{name}" for name in layouts for kind in ("init", "hf")))
 
 
 # ---------------------------------------------------------------- blocks
@@ -141,11 +111,11 @@ def test_every_rank_equals_shard_params_of_the_single_process_tensors(fake_ranks
     assert r["leaves"] > 0
 
 
-def test_llama3_8b_dp_shard8_rank_creates_only_its_shards():
+def test_llama3_8b_dp_shard8_rank_creates_only_its_shards(run_checks):
     """Bytes and sizes of every tensor an op creates during ``init_params`` on rank 3 of dp_shard 8 (bf16,
     meta: the sizes are those a real device would allocate). The same count on the full-init fallback
     (a transformed ``init``) sees full-size tensors: the count would catch a full draw."""
-    r = run_fake_ranks("llama3_8b_memory", timeout=120)["llama3_8b_memory"]
+    r = run_checks("_fake_ranks.py", "llama3_8b_memory", nproc=0, timeout=120)["llama3_8b_memory"]
     assert "error" not in r, r["error"]
     assert r["model_bytes"] > 16e9  # the 8B shape, bf16
     assert r["local_bytes"] <= r["model_bytes"] / 8 + r["replicated_bytes"]

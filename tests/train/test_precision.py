@@ -25,25 +25,12 @@ from ftitan import tree as T
 from ftitan.models import hf
 from ftitan.nn import moe as moe_module
 from ftitan.train import MixedPrecision, apply_precision
+from tests.transforms.test_models import SHRINK, tiny_model  # the registry's tiny configs, one table
 
-# tiny values for whichever of these fields a family's Config has (as tests/transforms/test_models.py)
-SHRINK: dict[str, Any] = {
-    "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
-    "n_experts": 4, "top_k": 2, "expert_dim": 16, "moe_ffn_dim": 16, "n_groups": 2, "topk_groups": 1,
-    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "max_seq_len": 64,
-}  # fmt: skip
 FAMILIES = sorted(f.name for f in hf.families())
 BF16 = MixedPrecision.from_names("fp32", "bf16", "fp32")
 BF16_LOGITS_RTOL = 2e-2
 B, T_ = 3, 8
-
-
-def tiny_model(name: str) -> ft.models.Model:
-    fam = next(f for f in hf.families() if f.name == name)
-    cfg = fam.config_type.debug()
-    fields = {f.name for f in attrs.fields(type(cfg))}
-    return fam.model(attrs.evolve(cfg, **{k: v for k, v in SHRINK.items() if k in fields}))
 
 
 def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
