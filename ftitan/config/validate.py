@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import attrs
-import torch
 
 from ftitan.config.schema import TrainConfig
 from ftitan.config.transforms import model_error
@@ -69,8 +68,6 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise _fail("--parallel.pp-schedule", p.pp_schedule, f"expected one of {PP_SCHEDULES}")
     if p.pp_microbatches < 0:
         raise _fail("--parallel.pp-microbatches", p.pp_microbatches, "must be >= 0 (0: 2 * pp)")
-    if p.backend not in ("auto", "gloo", "nccl"):
-        raise _fail("--parallel.backend", p.backend, "expected 'auto' (nccl on CUDA, gloo on CPU), 'gloo' or 'nccl'")
     data_ranks = p.dp_replicate * p.dp_shard * p.ep
     if cfg.data.batch_size % data_ranks:
         raise _fail("--data.batch-size", cfg.data.batch_size,
@@ -116,17 +113,13 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 
 
 def _check_runtime(cfg: TrainConfig) -> None:
-    if cfg.device not in DEVICES:
-        raise _fail("--device", cfg.device, f"expected one of {DEVICES} (auto: CUDA when available)")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise _fail("--device", cfg.device, "torch sees no CUDA device here (torch.cuda.is_available() is False); "
-                    "use --device cpu or auto")  # fmt: skip
-    if cfg.parallel.backend == "nccl" and (cfg.device == "cpu" or not torch.cuda.is_available()):
-        raise _fail("--parallel.backend", "nccl", "NCCL needs CUDA devices; use --parallel.backend auto or gloo")
+    from ftitan.train.runtime import resolve_backend, resolve_device  # the runtime's own rules, checked early
+
+    device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    resolve_backend(cfg.parallel.backend, device)
     mp = cfg.mixed_precision
     for field in ("param", "compute", "reduce"):
         value = getattr(mp, field)

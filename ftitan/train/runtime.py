@@ -47,7 +47,7 @@ def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("--device='cuda': torch sees no CUDA device (torch.cuda.is_available() is False); "
-                         "use --device cpu, or install a CUDA build of torch")  # fmt: skip
+                         "use --device cpu or auto (or install a CUDA build of torch)")  # fmt: skip
     if local_rank >= torch.cuda.device_count():
         raise ValueError(f"--device='cuda': LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
                          f"visible; launch at most that many processes per node (torchrun --nproc-per-node)")  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 from ftitan import data, optim, random
 from ftitan.checkpoint.run import RunDir, load_run
 from ftitan.config.io import config_from_dict, config_to_dict
-from ftitan.config.schema import OptimConfig, TrainConfig
+from ftitan.config.schema import TrainConfig
 from ftitan.data.pipeline import eval_rows, loader_state_like, train_batches
 from ftitan.models import registry
 from ftitan.train import runtime
@@ -32,12 +32,7 @@ from ftitan.train.metrics import MetricsSink, Throughput, plot_losses, to_record
 from ftitan.train.precision import MixedPrecision
 from ftitan.train.state import TrainState, init_state
 
-__all__ = ["build_optimizer", "config_from_dict", "config_to_dict", "evaluate", "load_run", "train"]
-
-
-def build_optimizer(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, ...] = ()) -> optim.Transform:
-    """Kept for callers of the old name: :func:`ftitan.optim.from_config`."""
-    return optim.from_config(o, steps, params, frozen=frozen)
+__all__ = ["config_from_dict", "config_to_dict", "evaluate", "load_run", "train"]
 
 
 @torch.no_grad()

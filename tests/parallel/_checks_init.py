@@ -24,33 +24,14 @@ from ftitan.models import deepseek_v3, hf, llama, qwen3_moe
 
 # the launch script's directory is on sys.path (torchrun runs tests/parallel/_parity.py)
 from _checks_ep import tiny_deepseek_v3, tiny_qwen3_moe
+from _fake_ranks import expected as _expected
+from _fake_ranks import mismatches
 from _parity import tiny_llama
 
 torch.set_num_threads(1)
 
 MODELS = {"llama": (llama, tiny_llama), "qwen3_moe": (qwen3_moe, tiny_qwen3_moe),
           "deepseek_v3": (deepseek_v3, tiny_deepseek_v3)}  # fmt: skip
-
-
-def _expected(model, params, layout):
-    axes = model.param_axes
-    if layout.sizes["pp"] > 1:
-        params, axes = parallel.stage_params(params, model, layout), parallel.stage_params(axes, model, layout)
-    return parallel.shard_params(params, axes, layout.rules, layout)
-
-
-def _mismatches(got, want) -> list[str]:
-    gp, gl, _ = ft.tree.flatten_with_paths(got)
-    wp, wl, _ = ft.tree.flatten_with_paths(want)
-    if gp != wp:
-        return [f"leaves {gp} vs {wp}"]
-    bad = []
-    for p, a, b in zip(gp, gl, wl, strict=True):
-        la, lb = a.to_local(), b.to_local()
-        if not (a.placements == b.placements and a.shape == b.shape and a.stride() == b.stride()
-                and a.dtype == b.dtype and la.device == lb.device and torch.equal(la, lb)):  # fmt: skip
-            bad.append(f"rank {dist.get_rank()} {p}: {a.placements} {a.dtype} vs {b.placements} {b.dtype}")
-    return bad
 
 
 def _result(name: str, bad: list[str], got) -> dict:
@@ -66,7 +47,7 @@ def init_check(name: str, family: str, degrees: dict[str, int], dtype: torch.dty
     layout = parallel.Layout(parallel.mesh(**degrees))
     got = parallel.init_params(model, ft.random.key(11), layout, dtype=dtype)
     want = _expected(model, model.init(ft.random.key(11), dtype=dtype), layout)
-    return _result(name, _mismatches(got, want), got)
+    return _result(name, mismatches(got, want, f"rank {dist.get_rank()}"), got)
 
 
 def _shared_dir() -> Path:
@@ -105,9 +86,9 @@ def hf_check(name: str, family: str, degrees: dict[str, int], *, fused: bool, dt
         cfg, got = hf.load_hf_sharded(directory, layout, dtype=dtype)
         model = hf.family_of(cfg).model(cfg)
         want = _expected(model, hf.load_hf(directory, dtype=dtype)[1], layout)
-        bad = _mismatches(got, want)
+        bad = mismatches(got, want, f"rank {dist.get_rank()}")
         _, api = ft.models.from_pretrained(directory, layout=layout, dtype=dtype)
-        bad += _mismatches(api, want)
+        bad += mismatches(api, want, f"rank {dist.get_rank()}")
         dist.barrier()
     finally:
         if dist.get_rank() == 0:
