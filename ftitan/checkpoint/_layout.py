@@ -2,7 +2,8 @@
 
 Only directories named ``step_<digits>`` count as committed checkpoints.
 A save in progress (or one a crash cut short) lives in a hidden
-``.tmp-step_…`` directory, which is never listed and is safe to delete.
+``.tmp-step_…`` directory, which is never listed and is safe to delete
+once no save is in flight (``ftitan.checkpoint.remove_unfinished``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import re
 import warnings
 from pathlib import Path
 
-from ftitan.checkpoint._manifest import STATE_FILE, CorruptCheckpointError, read_manifest, verify_files
+from ftitan.checkpoint._manifest import CorruptCheckpointError, read_manifest, verify_files
 
 __all__ = ["TMP_PREFIX", "checkpoint_dirname", "latest", "list_checkpoints", "step_of"]
 
@@ -47,18 +48,15 @@ def latest(directory: str | Path, *, verify: bool = True) -> Path | None:
     """The newest valid checkpoint under ``directory``, or ``None`` if there is none.
 
     A checkpoint whose manifest is missing or unreadable, or (with
-    ``verify=True``, the default) whose tensor file fails its size or sha256
+    ``verify=True``, the default) whose tensor files fail their size or sha256
     check, is skipped with a warning, so the previous one is used. Hashing
-    reads the whole file; ``verify=False`` checks only the manifest and the
-    file size.
+    reads every file whole; ``verify=False`` checks only the manifest and the
+    file sizes. Not collective: in a parallel run every rank may call it, but
+    :meth:`ftitan.checkpoint.RunDir.resume` is what makes the ranks agree.
     """
     for path in reversed(list_checkpoints(directory)):
         try:
-            manifest = read_manifest(path)
-            if verify:
-                verify_files(manifest)
-            elif not (f := path / STATE_FILE).is_file() or f.stat().st_size != manifest.state_nbytes:
-                raise CorruptCheckpointError(f"{path}: tensor file missing or of the wrong size")
+            verify_files(read_manifest(path), hash=verify)
         except CorruptCheckpointError as e:
             warnings.warn(f"skipping checkpoint {path.name}: {e}", stacklevel=2)
             continue

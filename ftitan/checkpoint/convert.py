@@ -1,9 +1,11 @@
 """``ftitan convert``: a run directory to an HF model directory, and back.
 
 - :func:`run_to_hf`: the run's newest valid checkpoint as ``model.safetensors`` + ``config.json``
-  (what ``transformers``' ``from_pretrained`` loads), with the run's tokenizer files;
+  (what ``transformers``' ``from_pretrained`` loads), with the run's tokenizer files; streamed leaf by
+  leaf from however many ranks' files hold it (``ftitan.models.hf_export``);
 - :func:`hf_to_run`: an HF model directory as a run directory at step 0 (``ftitan generate --run``
-  reads it; ``ftitan train --resume`` with that ``--run-dir`` fine-tunes it), its tokenizer copied along.
+  reads it), its tokenizer copied along. To fine-tune an HF model on your data, start from it with
+  ``ftitan train --init.hf DIR`` (a run dir holds one run: ``--resume`` there must keep its model and data).
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ftitan.checkpoint.run import RunDir, load_run
+import torch
+
+from ftitan.checkpoint._load import Reader
+from ftitan.checkpoint._manifest import read_manifest
+from ftitan.checkpoint.run import RunDir, newest_of_run
 
 __all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "hf_to_run", "run_to_hf"]
 
@@ -35,11 +41,16 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
 def run_to_hf(run_dir: str | Path, out: str | Path) -> Path:
     """Write the run's newest valid checkpoint to ``out`` as an HF model directory; returns ``out``."""
     from ftitan.data.tokenizer import EOS
-    from ftitan.models import hf
+    from ftitan.models.hf_export import save_hf_streamed
 
     run_dir, out = Path(run_dir), Path(out)
-    cfg, _model, params, _tok, _step = load_run(run_dir)
-    hf.save_hf(params, cfg.model, out)
+    newest, cfg = newest_of_run(RunDir(run_dir))
+    manifest = read_manifest(newest)
+    prefix = "state.params."
+    dtypes = {s.path.removeprefix(prefix): getattr(torch, s.dtype) for s in manifest.leaves if s.path.startswith(prefix)}
+    with Reader(manifest, verify=False) as reader:  # latest() verified every file
+        # leaf by leaf, each from the chunks every rank wrote of it: never the whole model at once
+        save_hf_streamed(lambda path: reader.read(prefix + path), cfg.model, out, dtypes=dtypes)
     copied = copy_tokenizer_files(run_dir, out)
     if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:  # the run's own byte-level BPE
         (out / "tokenizer_config.json").write_text(json.dumps(

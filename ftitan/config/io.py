@@ -10,13 +10,21 @@ from typing import Any
 
 import attrs
 
-from ftitan.config.schema import DataConfig, InitConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, TrainConfig
+from ftitan.config.schema import (
+    CheckpointConfig,
+    DataConfig,
+    InitConfig,
+    MixedPrecisionConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from ftitan.models import registry
 
 __all__ = ["config_from_dict", "config_to_dict"]
 
 _SECTIONS = {"optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig,
-             "mixed_precision": MixedPrecisionConfig, "init": InitConfig}  # fmt: skip
+             "mixed_precision": MixedPrecisionConfig, "init": InitConfig, "checkpoint": CheckpointConfig}  # fmt: skip
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

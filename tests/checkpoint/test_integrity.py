@@ -29,7 +29,7 @@ def _flip_byte(file, offset):
 
 def test_corrupted_tensor_file_is_detected_and_latest_falls_back(tmp_path):
     first, second = _two_checkpoints(tmp_path)
-    _flip_byte(second / "state.safetensors", -5)  # inside the tensor data, header still parses
+    _flip_byte(second / "rank00000.safetensors", -5)  # inside the tensor data, header still parses
 
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"step_00000002.*sha256.*corrupted"):
         ckpt.load(second, _like())
@@ -42,7 +42,7 @@ def test_corrupted_tensor_file_is_detected_and_latest_falls_back(tmp_path):
 
 def test_truncated_tensor_file(tmp_path):
     first, second = _two_checkpoints(tmp_path)
-    file = second / "state.safetensors"
+    file = second / "rank00000.safetensors"
     with open(file, "r+b") as f:
         f.truncate(file.stat().st_size // 2)
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"bytes but the manifest records .* truncated"):
@@ -68,7 +68,7 @@ def test_newer_format_version_is_refused(tmp_path):
     doc = json.loads((path / "manifest.json").read_text())
     doc["version"] = ckpt.FORMAT_VERSION + 1
     (path / "manifest.json").write_text(json.dumps(doc))
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"version 2 is not supported"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"version 3 is not supported"):
         ckpt.read_manifest(path)
 
 
@@ -77,11 +77,11 @@ def test_leftover_temp_dir_and_partial_checkpoint_are_ignored(tmp_path):
     # a save killed before its rename: a hidden temp dir with a partial file
     tmp = tmp_path / ".tmp-step_00000002-abc123"
     tmp.mkdir()
-    (tmp / "state.safetensors").write_bytes(b"\x00" * 10)
+    (tmp / "rank00000.safetensors").write_bytes(b"\x00" * 10)
     # a directory that looks committed but was written by something non-atomic
     partial = tmp_path / "step_00000003"
     partial.mkdir()
-    (partial / "state.safetensors").write_bytes((first / "state.safetensors").read_bytes()[:40])
+    (partial / "rank00000.safetensors").write_bytes((first / "rank00000.safetensors").read_bytes()[:40])
 
     assert ckpt.list_checkpoints(tmp_path) == [first, partial]
     with pytest.warns(UserWarning, match=r"skipping checkpoint step_00000003.*missing manifest"):
@@ -122,12 +122,65 @@ def test_structure_mismatch_names_the_path(tmp_path, edit, match):
 
 
 def test_no_temp_dirs_remain_after_a_failed_save(tmp_path, monkeypatch):
-    import ftitan.checkpoint._save as save_module
+    import ftitan.checkpoint._backends as backends
 
     def boom(*_args, **_kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(save_module, "save_file", boom)
+    monkeypatch.setattr(backends, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         ckpt.save(tmp_path, 1, STATE)
     assert os.listdir(tmp_path) == []
+
+
+def test_resume_skips_a_bad_newest_and_raises_when_none_is_valid(tmp_path):
+    run = ckpt.RunDir(tmp_path)
+    assert run.resume(_like()) is None  # no checkpoint at all: a fresh start
+    run.save(1, STATE, keep=3, cfg_dict={})
+    run.save(2, STATE, keep=3, cfg_dict={})
+    _flip_byte(run.checkpoints / "step_00000002" / "rank00000.safetensors", -5)
+    with pytest.warns(UserWarning, match=r"skipping checkpoint step_00000002.*sha256"):
+        _, step = run.resume(_like())
+    assert step == 1
+    (run.checkpoints / "step_00000001" / "manifest.json").unlink()
+    with pytest.warns(UserWarning), pytest.raises(ckpt.CorruptCheckpointError) as e:
+        run.resume(_like())  # checkpoints exist but none loads: never a silent restart from step 0
+    message = str(e.value)
+    assert "2 checkpoint(s), none of which loads" in message and "\n" not in message
+    assert "step_00000002: " in message and "sha256" in message
+    assert "step_00000001: " in message and "missing manifest" in message
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    from ftitan.checkpoint._manifest import sha256_file
+
+    path = tmp_path / "step_00000007"
+    path.mkdir()
+    flat = {"params.layers.0.wq": STATE["params"]["layers"]["0"]["wq"], "params.norm": STATE["params"]["norm"]}
+    save_file(flat, str(path / "state.safetensors"))
+    doc = {"format": "ftitan.checkpoint", "version": 1, "step": 7,
+           "files": {"state.safetensors": {"sha256": sha256_file(path / "state.safetensors"),
+                                           "bytes": (path / "state.safetensors").stat().st_size}},
+           "leaves": [{"path": p, "dtype": "float32", "shape": list(x.shape)} for p, x in flat.items()],
+           "extra": {"config": {"steps": 7}}}  # fmt: skip
+    (path / "manifest.json").write_text(json.dumps(doc))
+    assert ckpt.latest(tmp_path) == path
+    restored, manifest = ckpt.load(tmp_path, _like())
+    assert manifest.step == 7 and manifest.version == 1 and manifest.extra["config"]["steps"] == 7
+    assert torch.equal(restored["params"]["layers"]["0"]["wq"], flat["params.layers.0.wq"])
+
+
+def test_a_run_removes_temp_dirs_of_killed_saves_before_training(tiny_run_cfg):
+    import attrs
+
+    from ftitan.train.trainer import train
+
+    train(attrs.evolve(tiny_run_cfg, checkpoint=attrs.evolve(tiny_run_cfg.checkpoint, backend="sync")), progress=False)
+    leftover = ckpt.RunDir.of(tiny_run_cfg).checkpoints / ".tmp-step_00000003-1234-abcd"
+    leftover.mkdir()
+    (leftover / "rank00000.safetensors").write_bytes(b"\x00" * 10)
+    more = attrs.evolve(tiny_run_cfg, steps=3, checkpoint=attrs.evolve(tiny_run_cfg.checkpoint, backend="sync"))
+    assert train(more, resume=True, progress=False)["start_step"] == 2
+    assert sorted(p.name for p in leftover.parent.iterdir()) == ["step_00000002", "step_00000003"]

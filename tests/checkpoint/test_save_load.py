@@ -62,7 +62,7 @@ def test_nested_namedtuple_round_trip_is_bit_exact(tmp_path):
     state = _nested()
     path = ckpt.save(tmp_path, 12, state, extra={"config": {"lr": 1e-3, "name": "tiny"}, "loader": [3, 4]})
     assert path == tmp_path / "step_00000012"
-    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "rank00000.safetensors"]
 
     restored, manifest = ckpt.load(path, tree.zeros_like(state))
     assert_bit_exact(state, restored)

@@ -133,9 +133,24 @@ def shard_as_check(name: str) -> dict:
             "compiled_ok": bool(torch.equal(compiled, 2 * local))}  # fmt: skip
 
 
+def _gathered(state, full_like, layout):
+    """Full tensors of a (staged) state on every rank: DTensors unsharded, pp stages gathered by path."""
+    mine = parallel.unshard(state)
+    if layout.sizes["pp"] == 1:
+        return mine
+    paths, leaves, _ = ft.tree.flatten_with_paths(mine)
+    stages = [None] * layout.sizes["pp"]
+    dist.all_gather_object(stages, dict(zip(paths, leaves, strict=True)), group=layout.group("pp").get_group())
+    by_path = {p: x for stage in stages for p, x in stage.items()}
+    return ft.tree.map_with_path(lambda p, _: by_path[p], full_like)
+
+
 def reshard_check(name: str, a_degrees: dict[str, int], b_degrees: dict[str, int]) -> dict:
-    """A train state gathered from one layout (full tensors, as checkpoints hold them) and placed on another:
-    equal to the single-process state, and unchanged by the round trip."""
+    """A train state saved as a sharded checkpoint under one layout (each rank its own blocks) and loaded
+    under another (each rank reads only its new blocks): equal to the single-process state, unchanged."""
+    import shutil
+    import tempfile
+
     from ftitan.config.schema import ParallelConfig
     from ftitan.train.runtime import Runtime
 
@@ -150,9 +165,15 @@ def reshard_check(name: str, a_degrees: dict[str, int], b_degrees: dict[str, int
     step = a.make_step(model, loss_fn, opt, accum_steps=1, compile=False, update_buffers=None)
     state_a, _ = step(ft.train.init_state(a.place(params, model), opt), a.local_batch(batch))  # moments != 0
     full_like = ft.train.init_state(params, opt)
-    full = a.to_full(state_a, full_like)
-    state_b = b.from_full(full, ft.train.init_state(b.place(params, model), opt))
-    again = b.to_full(state_b, full_like)
+    where = [tempfile.mkdtemp(prefix="ftitan-reshard-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+    ft.checkpoint.save(where[0], 1, state_a)  # collective: each rank writes its blocks
+    like_b = ft.train.init_state(b.place(params, model), opt)
+    state_b, _ = ft.checkpoint.load(where[0], like_b, whole=full_like)
+    full, again = _gathered(state_a, full_like, a.layout), _gathered(state_b, full_like, b.layout)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(where[0])
     wq = state_b.params["layers"]["0"]["attn"]["wq"]
     return {"check": name, "diff": max_diff(again, full), "wq_local": list(wq.to_local().shape),
             "vs_single": max_diff(full, ref)}  # fmt: skip

@@ -66,8 +66,8 @@ def test_shard_as_under_torch_func_and_compile(parity_results):
     "name,wq_local", [("reshard_dp2_tp2_to_dp4", [64, 16]), ("reshard_pp2_dp2_to_dp2_tp2", [32, 32])]
 )
 def test_state_from_one_layout_loads_under_another(parity_results, name, wq_local):
-    # what `ftitan train --resume` does when the degrees changed: checkpoints hold full tensors
-    # (under pp, every stage's leaves gathered by path)
+    # what `ftitan train --resume` does when the degrees changed: each rank saved its own blocks (under pp,
+    # its stage's), each reads back only the blocks of its new place
     r = parity_results[name]
     assert "error" not in r, r["error"]
     assert r["vs_single"] <= 1e-5  # the gathered state is the single-process state after the same step
