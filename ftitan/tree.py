@@ -39,6 +39,7 @@ __all__ = [
     "flatten_with_paths",
     "global_norm",
     "norm_across",
+    "norm_is_combined",
     "is_tensor",
     "leaves",
     "map",
@@ -240,6 +241,12 @@ def norm_across(combine_squares: Callable[[torch.Tensor], torch.Tensor]) -> Iter
         yield
     finally:
         _NORM_ACROSS.pop()
+
+
+def norm_is_combined() -> bool:
+    """Whether :func:`global_norm` combines with other processes here (inside :func:`norm_across`):
+    then the tree at hand is only this process's part of the whole."""
+    return bool(_NORM_ACROSS)
 
 
 def zeros_like(tree: Tree, *, dtype: torch.dtype | None = None) -> Tree:

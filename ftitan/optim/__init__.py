@@ -22,9 +22,9 @@ does not recompile as they change. See docs/optim.md for every idiom.
 from ftitan.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from ftitan.optim.clipping import clip_by_global_norm
 from ftitan.optim.ema import EmaParamsState, EmaState, ema, ema_params, incremental_update, params_ema
-from ftitan.optim.finite import ApplyIfFiniteState, apply_if_finite
+from ftitan.optim.finite import ApplyIfFiniteState, apply_if_finite, find_finite_guard
 from ftitan.optim.frozen import freeze, selective_transform
-from ftitan.optim.from_config import from_config
+from ftitan.optim.from_config import from_config, guard_nonfinite
 from ftitan.optim.hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ftitan.optim.learning_rate import (
     ScaleByLearningRateState,
@@ -92,8 +92,10 @@ __all__ = [
     "ema",
     "ema_params",
     "exponential_decay",
+    "find_finite_guard",
     "find_lr",
     "freeze",
+    "guard_nonfinite",
     "identity",
     "incremental_update",
     "inject_hyperparams",

@@ -4,29 +4,29 @@ The trainer talks to a ``Runtime`` and stays the same for both:
 ``place(params, model)`` (this rank's pipeline stage as DTensors on the
 mesh, or the params as they are), ``make_step``,
 ``local_batch`` (this rank's rows and sequence chunks), ``eval_loss``,
-``to_full`` / ``from_full`` for checkpoints (a checkpoint holds full
-tensors, so it loads under any layout), ``is_main`` (rank 0 writes
-files and shows progress) and ``device`` (where params, optimizer state and
-batches live: ``--device auto`` takes CUDA when there is one, and under
-torchrun each rank takes ``LOCAL_RANK``'s GPU).
+``is_main`` (rank 0 writes files and shows progress) and ``device``
+(where params, optimizer state and batches live: ``--device auto`` takes
+CUDA when there is one, and under torchrun each rank takes ``LOCAL_RANK``'s
+GPU). Checkpoints need nothing from it: each rank saves and loads its own
+blocks (:mod:`ftitan.checkpoint`).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ftitan import parallel, random
 from ftitan import tree as T
 from ftitan.config.schema import ParallelConfig
 from ftitan.models.base import Model
 from ftitan.parallel.activations import split_sequence
-from ftitan.parallel.rules import local_slice
+from ftitan.train import rendezvous
 from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.step import make_train_step
 
@@ -34,6 +34,7 @@ __all__ = ["Runtime", "resolve_backend", "resolve_device", "setup"]
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
+ONE_RANK_WORK_S = 1800.0  # how long barrier() waits for one rank's slow work (torch's default gloo timeout)
 
 
 def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
@@ -207,41 +208,17 @@ class Runtime:
                 loss, _ = loss_of(local_params, local_batch)
         return float(self.layout.sum(loss.detach(), (*self.layout.data_axes(), "tp", "pp")))
 
-    def to_full(self, tree: Any, full_like: Any) -> Any:
-        """Full tensors shaped like ``full_like`` (collective: every rank calls it). Under pp every stage's
-        leaves are gathered by dotted path, so the whole model's state comes back on every rank."""
-        if self.layout is None:
-            return tree
-        mine = parallel.unshard(tree)
-        if self.pp == 1:
-            return mine
-        paths, leaves, _ = T.flatten_with_paths(mine)
-        stages: list[Any] = [None] * self.pp
-        dist.all_gather_object(stages, dict(zip(paths, leaves, strict=True)), group=self.layout.group("pp").get_group())
-        by_path = {p: x for stage in stages for p, x in stage.items()}
-        return T.map_with_path(lambda p, _: by_path[p], full_like)
-
-    def from_full(self, full: Any, like: Any) -> Any:
-        """``full`` placed like the DTensors of ``like`` (this rank's stage and blocks; no communication)."""
-        if self.layout is None:
-            return T.map(lambda x: x.to(self.device), full)
-        paths, leaves, _ = T.flatten_with_paths(full)
-        by_path = dict(zip(paths, leaves, strict=True))
-
-        def one(path: str, ref: Any) -> Any:
-            x = by_path[path]
-            if not isinstance(ref, DTensor):
-                return x.to(self.device)
-            local = local_slice(x, parallel.sharding_of(ref), self.layout.coords, self.layout.sizes)
-            local = local.to(self.device).contiguous()
-            return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
-                                      stride=ref.stride())  # fmt: skip
-
-        return T.map_with_path(one, like)
-
     def barrier(self) -> None:
-        if self.layout is not None:
+        """Wait for every rank while one does slow work alone (rank 0 preparing the data, writing a checkpoint):
+        up to ``max(--parallel.timeout-s, 30 min)``, not the collective timeout (a dead rank still fails it
+        at once: gloo sees its connection close)."""
+        if self.layout is None:
+            return
+        rendezvous.bound_group_timeouts([dist.group.WORLD], max(self.cfg.timeout_s, ONE_RANK_WORK_S))
+        try:
             dist.barrier()
+        finally:
+            rendezvous.bound_group_timeouts([dist.group.WORLD], self.cfg.timeout_s)
 
     def close(self) -> None:
         """Leave the process group this runtime joined (the world's ranks all call it)."""
@@ -261,7 +238,10 @@ def setup(cfg: ParallelConfig, *, device: str = "auto") -> Runtime:
     """The runtime for this process: its device, and the torchrun world (``WORLD_SIZE`` > 1) it joins.
 
     Fails before any work when the degrees' product differs from the world size, or the device or
-    backend is not available here.
+    backend is not available here. Joining the world and each collective wait at most
+    ``cfg.timeout_s`` for the other ranks (``--parallel.timeout-s``): then a
+    :class:`~ftitan.train.faults.RunFailure` (joining: naming the ranks that never arrived) or
+    gloo's timeout error.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = cfg.dims()
@@ -273,7 +253,11 @@ def setup(cfg: ParallelConfig, *, device: str = "auto") -> Runtime:
     if world == 1:
         return Runtime(None, cfg, device=dev)
     owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group(backend, device_id=dev if dev.type == "cuda" else None)
-    layout = parallel.Layout(parallel.mesh(dims, device_type=dev.type), _rules(cfg))
+    if owns:  # joining is bounded too: a rank whose peers never arrive fails naming them
+        store, rank = rendezvous.join(world, cfg.timeout_s)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, device_id=dev if dev.type == "cuda"
+                                else None, timeout=datetime.timedelta(seconds=cfg.timeout_s))  # fmt: skip
+    mesh = parallel.mesh(dims, device_type=dev.type)
+    rendezvous.bound_group_timeouts(mesh.get_all_groups(), cfg.timeout_s)  # a hung peer fails each collective
+    layout = parallel.Layout(mesh, _rules(cfg))
     return Runtime(layout, cfg, owns_group=owns, device=dev)
