@@ -120,7 +120,9 @@ def jsonl_text(line: str, where: str | Callable[[], str], field: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{_where(where)}: invalid JSON ({e.msg} at column {e.colno}); fix or remove the line") from e
+        # e.msg may end in "at" ("Unterminated string starting at"): one "at" before the column
+        what = f"{e.msg.removesuffix(' at')} at column {e.colno}"
+        raise ValueError(f"{_where(where)}: invalid JSON ({what}); fix or remove the line") from e
     if isinstance(record, dict) and isinstance(record.get(field), str):
         return record[field]  # the common case: no message to build
     where = _where(where)
@@ -129,7 +131,7 @@ def jsonl_text(line: str, where: str | Callable[[], str], field: str) -> str:
                          f"got {type(record).__name__}; fix or remove the line")  # fmt: skip
     if field not in record:
         raise ValueError(f"{where}: object has no field {field!r} (fields: {sorted(record)}); "
-                         f"pass field=... to choose another")  # fmt: skip
+                         f"pass field=... (--data.jsonl-field) to choose another")  # fmt: skip
     text = record[field]
     if not isinstance(text, str):
         raise ValueError(f"{where}: field {field!r} must be a string, got {type(text).__name__}; "

@@ -4,12 +4,13 @@ With ``0 < eval_fraction < 1`` a document is held out when a hash of its text
 (BLAKE2b, so the same on every machine and process) falls in the lowest
 ``eval_fraction`` of 10,000 buckets: the split does not depend on file names,
 shard order or the number of ranks, and duplicated documents land on the same
-side, so exact copies never leak from train into eval. When that leaves a split
-with no document (a corpus of one or a few documents), the split falls back to
-tokens: the last ``max(ceil(eval_fraction * N), seq_len + 1)`` of the ``N``
-tokens of the corpus packed in file order are held out (one document may then
-train on its head and be evaluated on its tail), so a single-document corpus
-still trains and still has a held-out row.
+side, so exact copies never leak from train into eval. When that leaves no
+training document, or held-out documents too short for one row of ``seq_len + 1``
+tokens (a corpus of one or a few documents), the split falls back to tokens:
+the last ``max(ceil(eval_fraction * N), seq_len + 1)`` of the ``N`` tokens of
+the corpus packed in file order are held out (one document may then train on
+its head and be evaluated on its tail), so a single-document corpus still
+trains and still has a held-out row.
 
 ``eval_fraction=0`` trains on everything (use it with a separate eval source);
 ``eval_fraction=1`` holds out everything (that eval source's own setting).
@@ -75,9 +76,10 @@ class HeldOut:
 def held_out(source: Source, tokenizer: Tokenizer, *, seq_len: int, eval_fraction: float) -> HeldOut:
     """The split for ``source`` (see the module docstring). Cached: a stream and its eval share one.
 
-    The hash split scans documents only until it has seen one of each side
-    (a few dozen on a real corpus); the token fallback encodes the whole
-    (small) corpus once to count its tokens.
+    The hash split scans documents only until it has seen a training document
+    and held-out documents of at least one row (``seq_len + 1`` packed tokens;
+    a few dozen documents on a real corpus, only the held-out ones encoded); the
+    token fallback encodes the whole (small) corpus once to count its tokens.
     """
     if not 0.0 <= eval_fraction <= 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1], got {eval_fraction}")
@@ -86,11 +88,16 @@ def held_out(source: Source, tokenizer: Tokenizer, *, seq_len: int, eval_fractio
     if eval_fraction == 1.0:
         return HeldOut("all")
     threshold = round(eval_fraction * _BUCKETS)
-    seen = set()
+    extra = 1 + (tokenizer.bos_id is not None)  # BOS and EOS around every packed document
+    trains, held = False, 0  # a training document seen; held-out packed tokens seen
     for text in source.documents():
-        seen.add(_bucket(text) < threshold)
-        if len(seen) == 2:
+        if _bucket(text) >= threshold:
+            trains = True
+        else:
+            held += len(tokenizer.encode(text)) + extra
+        if trains and held >= seq_len + 1:
             return HeldOut("hash", threshold=threshold)
+    # too few documents for a held-out row (none on one side, or a few short ones): split by tokens
     return _tail_split(source, tokenizer, seq_len, eval_fraction)
 
 
@@ -108,9 +115,9 @@ def _tail_split(source: Source, tokenizer: Tokenizer, seq_len: int, eval_fractio
     if cut < seq_len + 1:
         raise ValueError(
             f"shards {[str(f) for f in source.files[:3]]}{'...' if len(source.files) > 3 else ''}: "
-            f"{total} tokens cannot be split into a held-out tail of {held} and at least one training row of "
-            f"seq_len + 1 = {seq_len + 1}; use more data, a smaller seq_len, or a separate eval source "
-            f"(eval_fraction=0 for training)"
+            f"{total} tokens in all, too few for a held-out tail of {held} and one training row of "
+            f"seq_len + 1 = {seq_len + 1}; use more text, a smaller seq_len (--data.seq-len), or a separate eval "
+            f"source (eval_fraction=0 for training)"
         )
     start = 0
     for chunk, record, n in sizes:

@@ -22,6 +22,7 @@ document starts, as in GPT-2 and nanoGPT.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -55,14 +56,17 @@ def encode_documents(docs: Iterable[str], tokenizer: Tokenizer, *,
     With ``cache`` (a ``.npy`` path) the stream is loaded from there if the file
     exists, and saved there otherwise; ``docs`` is then not read at all. The
     cache does not know which tokenizer or corpus made it: keep it in the run
-    directory next to the ``tokenizer.json`` it came from.
+    directory next to the ``tokenizer.json`` it came from. An unreadable cache
+    (truncated, not a 1-d int32 array) is encoded again, with a warning.
     """
     if cache is not None and Path(cache).is_file():
-        stream = np.load(cache)
-        if stream.dtype != np.int32 or stream.ndim != 1:
-            raise ValueError(f"{cache}: expected a 1-d int32 token stream, got {stream.dtype} "
-                             f"of shape {stream.shape}; delete it to re-encode")
-        return stream
+        try:
+            stream = np.load(cache)
+            if stream.dtype != np.int32 or stream.ndim != 1:
+                raise ValueError(f"a {stream.dtype} array of shape {stream.shape}, not a 1-d int32 token stream")
+            return stream
+        except (ValueError, EOFError, OSError) as e:  # e.g. a copy cut short: rebuild the cache
+            warnings.warn(f"{cache}: unreadable token cache ({e}); encoding the corpus again", stacklevel=2)
 
     def encoded() -> Iterable[list[int]]:
         chunk: list[str] = []

@@ -224,11 +224,12 @@ def _parquet_records(path: Path, group: int, start: int, field: str) -> Iterator
     with pq.ParquetFile(path) as pf:
         schema = pf.schema_arrow
         if schema.get_field_index(field) < 0:
-            raise ValueError(f"{path}: no column {field!r} (columns: {schema.names}); pass field=... to choose another")
+            raise ValueError(f"{path}: no column {field!r} (columns: {schema.names}); pass field=... "
+                             f"(--data.jsonl-field) to choose another")  # fmt: skip
         kind = schema.field(field).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
             raise ValueError(f"{path}: column {field!r} has type {kind}, not string; "
-                             f"pass field=... naming the text column")  # fmt: skip
+                             f"pass field=... (--data.jsonl-field) naming the text column")  # fmt: skip
         meta = pf.metadata
         rows = meta.row_group(group).num_rows
         if start > rows:

@@ -15,16 +15,21 @@ BOS (when the tokenizer has one) before and EOS after each document.
 
 from __future__ import annotations
 
+import json
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-__all__ = ["EOS", "TOKENIZER_FILE", "Tokenizer", "load_tokenizer", "tokenizer_for", "train_tokenizer"]
+__all__ = [
+    "EOS", "TOKENIZER_FILE", "TOKENIZER_SIZE_FILE", "Tokenizer", "load_tokenizer", "tokenizer_for", "train_tokenizer",
+]  # fmt: skip
 
 EOS = "<|eos|>"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_SIZE_FILE = "tokenizer_size.json"  # {"asked": V, "reached": n}: written when a BPE trained short of V
 
 
 class Tokenizer:
@@ -93,7 +98,13 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, path: str | Path | Non
         file = _tokenizer_file(path)
         file.parent.mkdir(parents=True, exist_ok=True)
         tok.save(str(file))
-    return Tokenizer(tok)
+    out = Tokenizer(tok)
+    if out.vocab_size < vocab_size:
+        warnings.warn(f"BPE: the corpus gave {out.vocab_size} of the {vocab_size} tokens asked (no pair of tokens "
+                      f"left to merge); a model of vocab_size {vocab_size} keeps its rows, ids from "
+                      f"{out.vocab_size} on are never used. For a fuller vocabulary use more text; for a smaller "
+                      f"model, a smaller vocab_size", stacklevel=2)  # fmt: skip
+    return out
 
 
 def _tokenizer_file(path: str | Path) -> Path:
@@ -106,21 +117,42 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     file = _tokenizer_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"load_tokenizer: {file} does not exist; train one with train_tokenizer")
-    return Tokenizer(_HFTokenizer.from_file(str(file)))
+    try:
+        hf = _HFTokenizer.from_file(str(file))
+    except Exception as e:  # the Rust library raises its own Exception type (a truncated file, not JSON)
+        raise ValueError(f"{file}: not a readable tokenizer ({e}); if a run trained it, delete it and run again: "
+                         f"the same corpus and vocab_size train the same BPE") from e  # fmt: skip
+    return Tokenizer(hf)
 
 
 def tokenizer_for(run_dir: str | Path, docs: Iterable[str], vocab_size: int) -> Tokenizer:
     """``run_dir/tokenizer.json`` if present, else train one on ``docs`` and save it there.
 
     ``docs`` is only iterated when training. A cached tokenizer whose vocabulary
-    size differs from ``vocab_size`` is an error, not a silent retrain.
+    size differs from ``vocab_size`` is an error, not a silent retrain, unless it
+    was trained for ``vocab_size`` and its corpus gave fewer tokens: then
+    ``tokenizer_size.json`` next to it records both sizes.
     """
-    file = Path(run_dir) / TOKENIZER_FILE
+    file, sizes = Path(run_dir) / TOKENIZER_FILE, Path(run_dir) / TOKENIZER_SIZE_FILE
     if file.is_file():
         tok = load_tokenizer(file)
-        if tok.vocab_size != vocab_size:
+        if tok.vocab_size != vocab_size and _recorded(sizes) != {"asked": vocab_size, "reached": tok.vocab_size}:
             raise ValueError(f"{file}: cached tokenizer has vocab_size={tok.vocab_size}, but "
                              f"vocab_size={vocab_size} was asked for; delete the file to retrain "
                              f"or use a new run directory")
+        if tok.vocab_size != vocab_size:  # say it again: the corpus may have grown since
+            warnings.warn(f"{file}: a BPE of {tok.vocab_size} of the {vocab_size} tokens asked (its corpus gave no "
+                          f"more merges); to train it again on more text, delete it and {sizes.name}",
+                          stacklevel=2)  # fmt: skip
         return tok
-    return train_tokenizer(docs, vocab_size, file)
+    tok = train_tokenizer(docs, vocab_size, file)
+    if tok.vocab_size < vocab_size:  # fewer tokens than asked: say so, so the next run (a resume) accepts it
+        sizes.write_text(json.dumps({"asked": vocab_size, "reached": tok.vocab_size}) + "\n")
+    return tok
+
+
+def _recorded(sizes: Path) -> dict[str, int] | None:
+    try:
+        return json.loads(sizes.read_text())
+    except (OSError, ValueError):
+        return None

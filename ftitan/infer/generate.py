@@ -11,6 +11,7 @@ Each request stops at its first ``eos_id`` (kept in its output) or after
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -156,6 +157,11 @@ def generate(
     if padding not in ("left", "right"):
         raise ValueError(f"generate: padding={padding!r}; expected 'left' or 'right'")
     rows, keys = _requests(prompts, sampling, key, model.config.vocab_size)
+    longest, limit = max(len(p) for p in prompts), model.config.max_seq_len
+    if longest + max_new_tokens > limit:  # RoPE runs on, but the model never saw those positions
+        warnings.warn(f"generate: the longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} = "
+                      f"{longest + max_new_tokens} positions, more than the model's max_seq_len={limit} (positions "
+                      f"it was never trained on); shorten the prompt or lower max_new_tokens", stacklevel=3)  # fmt: skip
     stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     params = fuse_projections(params) if fuse else params
     tokens, lengths = _pad(prompts, padding, params["embed"].device)

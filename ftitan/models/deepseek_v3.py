@@ -146,8 +146,8 @@ class Config:
                 f"{self.n_layers}); for a model without MoE blocks use ftitan.models.llama"
             )
         for name in ("norm_eps", "init_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"deepseek_v3.Config.{name}={getattr(self, name)!r}: must be > 0")
+            if not 0 < getattr(self, name) < math.inf:  # inf passes `> 0`, then breaks init or the norms
+                raise ValueError(f"deepseek_v3.Config.{name}={getattr(self, name)!r}: must be a finite number > 0")
         for build in (lambda: self.mla, lambda: self.moe):  # the layers validate their own fields
             try:
                 build()

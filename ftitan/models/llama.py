@@ -29,6 +29,7 @@ Params tree::
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,8 +93,8 @@ class Config:
         if self.attn_impl not in IMPLS:
             raise ValueError(f"llama.Config.attn_impl={self.attn_impl!r}: expected one of {IMPLS}")
         for name in ("norm_eps", "rope_theta", "init_std"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"llama.Config.{name}={getattr(self, name)!r}: must be > 0")
+            if not 0 < getattr(self, name) < math.inf:  # inf passes `> 0`, then breaks init or the norms
+                raise ValueError(f"llama.Config.{name}={getattr(self, name)!r}: must be a finite number > 0")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise ValueError(
                 f"llama.Config.rope_scaling={self.rope_scaling!r}: expected None or nn.Llama3RopeScaling"

@@ -41,6 +41,7 @@ shared with ``qwen3_moe``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -175,8 +176,8 @@ def check_config(cfg: AttentionConfig, family: str) -> None:
     if cfg.attn_impl not in IMPLS:
         raise ValueError(f"{family}.Config.attn_impl={cfg.attn_impl!r}: expected one of {IMPLS}")
     for name in ("norm_eps", "rope_theta", "init_std"):
-        if not getattr(cfg, name) > 0:
-            raise ValueError(f"{family}.Config.{name}={getattr(cfg, name)!r}: must be > 0")
+        if not 0 < getattr(cfg, name) < math.inf:  # inf passes `> 0`, then breaks init or the norms
+            raise ValueError(f"{family}.Config.{name}={getattr(cfg, name)!r}: must be a finite number > 0")
 
 
 def param_specs(cfg: Config) -> dict[str, Any]:

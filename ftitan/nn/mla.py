@@ -42,6 +42,7 @@ meant to stay unsharded under tensor parallelism, as TorchTitan keeps
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -93,8 +94,8 @@ class MLAConfig:
                 f"MLAConfig.rope_scaling={self.rope_scaling!r}: expected None or nn.rope.YarnRopeScaling"
             )
         for name in ("rope_theta", "latent_norm_eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"MLAConfig.{name}={getattr(self, name)!r}: must be > 0")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"MLAConfig.{name}={getattr(self, name)!r}: must be a finite number > 0")
 
     @property
     def qk_head_dim(self) -> int:  # Dn + Dr

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["MetricsSink", "Throughput", "plot_losses", "to_record"]
+__all__ = ["MetricsSink", "Throughput", "plot_losses", "read_records", "to_record"]
 
 _MAX_LOGGED_LOADS = 4096  # larger expert grids (e.g. 58 x 384) are summarized by moe.max_load only
 
@@ -28,6 +29,30 @@ def to_record(m: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (``[]`` when there is none). A torn last line (a run killed while
+    writing it) is dropped with a warning; any other unreadable line raises ``ValueError`` naming it."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with an int 'step'")
+        except ValueError as e:
+            if i == len(lines):
+                warnings.warn(f"{path}:{i}: dropping a torn last line (a run stopped while writing it): {line[:60]!r}",
+                              stacklevel=3)  # fmt: skip
+                break
+            raise ValueError(f"{path}:{i}: unreadable metrics record ({e}); fix or delete that line") from None
+        out.append(record)
+    return out
+
+
 class MetricsSink:
     """metrics.jsonl (one record per line) + TensorBoard events, both under the run dir.
 
@@ -39,10 +64,8 @@ class MetricsSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = Path(run_dir) / "metrics.jsonl"
-        old = self.path.read_text().splitlines() if self.path.exists() else []
-        kept = [line for line in old if json.loads(line)["step"] <= keep_until]
-        self.path.write_text("".join(line + "\n" for line in kept))
-        self.records: list[dict[str, Any]] = [json.loads(line) for line in kept]
+        self.records: list[dict[str, Any]] = [r for r in read_records(self.path) if r["step"] <= keep_until]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=keep_until + 1)
 
     def log(self, record: dict[str, Any]) -> None:

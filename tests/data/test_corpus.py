@@ -81,3 +81,12 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, message):
     assert next(docs) == "fine"
     with pytest.raises(ValueError, match=rf"bad\.jsonl:2: {message}"):
         next(docs)
+
+
+def test_invalid_json_says_where_once(tmp_path):
+    f = tmp_path / "torn.jsonl"
+    f.write_text('{"text": "fine"}\n{"text": "cut sho')  # the last line, cut off
+    with pytest.raises(ValueError) as e:
+        list(jsonl(f))
+    assert "torn.jsonl:2: invalid JSON (Unterminated string starting at column 10)" in str(e.value)
+    assert "at at" not in str(e.value)

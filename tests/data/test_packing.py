@@ -52,3 +52,17 @@ def test_encode_documents_matches_tokenizer_and_caches(small_tokenizer, small_do
     np.testing.assert_array_equal(encode_documents(_must_not_be_read(), small_tokenizer, cache=cache), stream)
     # decoding the stream gives the documents back, EOS-separated
     assert small_tokenizer.decode(stream.tolist()) == "".join(d + "<|eos|>" for d in docs)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "wrong_dtype"])
+def test_an_unreadable_token_cache_is_encoded_again(small_tokenizer, small_docs, tmp_path, damage):
+    docs, cache = small_docs[:3], tmp_path / "tokens.npy"
+    stream = encode_documents(iter(docs), small_tokenizer, cache=cache)
+    if damage == "truncate":  # a copy or a disk cut short
+        cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])
+    else:
+        np.save(cache, stream.astype(np.int64))
+    with pytest.warns(UserWarning, match=r"tokens\.npy: unreadable token cache .* encoding the corpus again"):
+        again = encode_documents(iter(docs), small_tokenizer, cache=cache)
+    np.testing.assert_array_equal(again, stream)
+    np.testing.assert_array_equal(np.load(cache), stream)  # rebuilt on disk too

@@ -170,6 +170,17 @@ def test_single_document_falls_back_to_a_held_out_tail(tmp_path, small_tokenizer
     assert rows.flatten().tolist() == packed[cut : cut + held // (T + 1) * (T + 1)]
 
 
+def test_held_out_documents_shorter_than_a_row_fall_back_to_a_tail(tmp_path, small_tokenizer, small_docs):
+    from ftitan.data.heldout import _bucket, held_out
+
+    tiny = next(t for i in range(10_000) if _bucket(t := f"tiny {i}") < 200)  # held out by its hash, a few tokens
+    assert _bucket(small_docs[0]) >= 200
+    (tmp_path / "two.jsonl").write_text(json.dumps({"text": small_docs[0]}) + "\n" + json.dumps({"text": tiny}) + "\n")
+    split = held_out(fd.shards(tmp_path), small_tokenizer, seq_len=T, eval_fraction=0.02)
+    assert split.mode == "tail"  # the hash split's held-out side would not fill one row
+    assert next(fd.held_out_batches(fd.shards(tmp_path), small_tokenizer, seq_len=T, batch_size=2))["inputs"].shape[1] == T
+
+
 def test_segments_mark_document_starts(corpus, small_tokenizer):
     src, _ = corpus
     batches, _ = run(src, small_tokenizer, fd.init_stream_state(0, B), dp_size=2, steps=6, segments=True)

@@ -1,7 +1,9 @@
+import json
+
 import pytest
 
 from ftitan.data import EOS, load_tokenizer, stdlib_corpus, tokenizer_for, train_tokenizer
-from ftitan.data.tokenizer import TOKENIZER_FILE
+from ftitan.data.tokenizer import TOKENIZER_FILE, TOKENIZER_SIZE_FILE
 
 
 def test_vocab_and_eos(small_tokenizer, small_vocab):
@@ -58,4 +60,25 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match="at least 257"):
         train_tokenizer(["abc"], 100)
     with pytest.raises(FileNotFoundError, match="tokenizer.json does not exist"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_bpe_short_of_its_vocab_warns_and_its_run_dir_still_loads(tmp_path):
+    docs = ["ab ab ab abc"] * 3  # a few merges at most: far below the 2048 tokens asked
+    with pytest.warns(UserWarning, match=r"the corpus gave \d+ of the 2048 tokens asked"):
+        first = tokenizer_for(tmp_path, iter(docs), 2048)
+    assert first.vocab_size < 2048
+    assert json.loads((tmp_path / TOKENIZER_SIZE_FILE).read_text()) == {"asked": 2048, "reached": first.vocab_size}
+    with pytest.warns(UserWarning, match=rf"a BPE of {first.vocab_size} of the 2048 tokens asked"):
+        again = tokenizer_for(tmp_path, _must_not_be_read(), 2048)  # a resumed run: the same ask, the cached BPE
+    assert again.hf.to_str() == first.hf.to_str()
+    with pytest.raises(ValueError, match="vocab_size=4096 was asked for"):
+        tokenizer_for(tmp_path, _must_not_be_read(), 4096)  # another ask is still refused
+
+
+def test_a_truncated_tokenizer_file_names_itself_and_the_fix(small_docs, tmp_path, small_vocab):
+    train_tokenizer(small_docs[:5], small_vocab, tmp_path)
+    file = tmp_path / TOKENIZER_FILE
+    file.write_text(file.read_text()[:100])
+    with pytest.raises(ValueError, match=r"tokenizer\.json: not a readable tokenizer .*delete it and run again"):
         load_tokenizer(tmp_path)

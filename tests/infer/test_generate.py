@@ -5,6 +5,8 @@ so greedy argmaxes agree unless two logits tie within ~1e-6 (random models
 with these seeds have no such near-ties).
 """
 
+import warnings
+
 import attrs
 import pytest
 import torch
@@ -107,3 +109,15 @@ def test_bad_requests_are_refused(prompts, kwargs, message):
     params = params_of(model)
     with pytest.raises(ValueError, match=message):
         generate(model, params, prompts, **{"max_new_tokens": 2, **kwargs})
+
+
+def test_generating_past_max_seq_len_warns_naming_it():
+    model = llama.model(attrs.evolve(LLAMA, max_seq_len=10))
+    params = model.init(ft.random.key(0))
+    with pytest.warns(UserWarning, match=r"9 tokens\) \+ max_new_tokens=2 = 11 positions, more than the model's "
+                      r"max_seq_len=10") as record:  # fmt: skip
+        generate(model, params, PROMPTS, max_new_tokens=2)
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, params, PROMPTS, max_new_tokens=1)  # 9 + 1 = 10 positions fit

@@ -1,0 +1,34 @@
+"""Memory: the up-front check of a run's training state, and out-of-memory errors as one line."""
+
+import pytest
+import torch
+
+from ftitan.config import get_recipe
+from ftitan.train import memory
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB of which 1.2 GiB "
+            "is free.")  # fmt: skip
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 137438953472 bytes. Error code 12 (Cannot allocate memory)")  # fmt: skip
+
+
+@pytest.mark.parametrize(("err", "asked"), [(torch.OutOfMemoryError(CUDA_OOM), "2.00 GiB"),
+                                            (RuntimeError(CPU_OOM), "137.4 GB")])  # fmt: skip
+def test_an_out_of_memory_error_names_the_run_what_was_asked_and_the_fixes(err, asked):
+    assert memory.is_out_of_memory(err)
+    msg = memory.out_of_memory_message(err, get_recipe("llama3-debug"))
+    assert "\n" not in msg and f"asked for {asked} more" in msg and "training 4.1M params" in msg
+    for part in ("--data.batch-size 8", "--data.seq-len 256", "--mixed-precision.compute", "--parallel.dp-shard"):
+        assert part in msg
+    assert not memory.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_a_state_too_large_for_the_device_is_refused_from_meta_shapes(monkeypatch):
+    cfg = get_recipe("llama3-8b")
+    n, need = memory.state_bytes(cfg)  # fp32 params + grads + AdamW's two moments (+ a bf16 copy)
+    assert n > 8e9 and need >= 16 * n
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 64 << 30)
+    with pytest.raises(ValueError, match=r"--device cpu: training this llama model \(8\.03B params\) needs at least "
+                       r"\d+\.\d GB .* but 68\.7 GB is available"):  # fmt: skip
+        memory.check_fits(cfg, torch.device("cpu"))
+    memory.check_fits(get_recipe("llama3-debug"), torch.device("cpu"))  # a small one fits
