@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml setup.py
 install: $(BIN)/.installed
 
 demo: install
-	$(BIN)/python -m ftitan train --recipe llama3-debug
+	$(BIN)/python -m ftitan train --recipe llama3-debug --overwrite
 	$(BIN)/python -m ftitan generate --run runs/llama3-debug --n 3 --prompt "def "
 
 test: install

@@ -1,30 +1,36 @@
 """``ftitan`` / ``python -m ftitan``: the command line.
 
-    ftitan train --recipe NAME [--resume] [--model.n-layers 4 --optim.lr 1e-3 ...]
+    ftitan train --recipe NAME [--resume | --overwrite] [--model.n-layers 4 --optim.lr 1e-3 ...]
     ftitan generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S --n N]
     ftitan convert --run DIR --hf OUT          (a run's newest checkpoint -> an HF model directory)
     ftitan convert --hf DIR --run OUT          (an HF model directory -> a run directory at step 0)
     ftitan bench step [--out FILE ...]
     ftitan bench parallel [--nproc 4 --layouts dp_shard=4 dp_shard=2,tp=2 ... --out FILE]
     ftitan bench generate [--peers ... --batches 1 8 --out FILE]
+    ftitan bench checkpoint [--state-mib 1024 --rounds 5 --out FILE]
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import tyro
 
 USAGE = """usage:
-  ftitan train --recipe NAME [--resume] [dotted overrides, e.g. --optim.lr 1e-3]   (ftitan train --help)
+  ftitan train --recipe NAME [--resume | --overwrite] [dotted overrides]         (ftitan train --help)
   ftitan generate --run DIR --prompt TEXT [options]                                (ftitan generate --help)
   ftitan convert --run DIR --hf OUT | --hf DIR --run OUT                           (ftitan convert --help)
   ftitan bench step [options]                                                      (ftitan bench step --help)
   ftitan bench parallel [options]                                                  (ftitan bench parallel --help)
-  ftitan bench generate [options]                                                  (ftitan bench generate --help)"""
+  ftitan bench generate [options]                                                  (ftitan bench generate --help)
+  ftitan bench checkpoint [options]                                                (ftitan bench checkpoint --help)"""
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +67,51 @@ class ConvertOptions:
     """The HF model directory (config.json + safetensors): read when --run does not exist, else written."""
 
 
+def user_error(err: BaseException) -> bool:
+    """Whether ``err`` is for the user to fix (a setting, a file, a checkpoint, the machine's memory): the CLI
+    prints it as one line and exits with 2. Anything else is a bug in ftitan and keeps its traceback, as does
+    every error under ``FTITAN_TRACEBACK=1``."""
+    if os.environ.get("FTITAN_TRACEBACK", "") not in ("", "0"):
+        return False
+    from ftitan.checkpoint import CheckpointError
+    from ftitan.train.memory import is_out_of_memory
+
+    kinds: list[type[BaseException]] = [ValueError, FileNotFoundError, FileExistsError, PermissionError,
+                                        IsADirectoryError, NotADirectoryError, CheckpointError]  # fmt: skip
+    try:
+        from ftitan.train import faults
+
+        kinds += [t for t in (getattr(faults, "RunFailure", None),) if t is not None]
+    except ImportError:
+        pass
+    return isinstance(err, tuple(kinds)) or is_out_of_memory(err)
+
+
+def _report(prog: str, err: BaseException, cfg: object = None) -> int:
+    """Print ``{prog}: error: <one line>`` to stderr (under torchrun, with this rank); return exit status 2."""
+    from ftitan.train.memory import is_out_of_memory, out_of_memory_message
+
+    msg = out_of_memory_message(err, cfg) if is_out_of_memory(err) else str(err)  # type: ignore[arg-type]
+    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{prog}: error: {rank}{' '.join(msg.split())}", file=sys.stderr)
+    return 2
+
+
+@contextlib.contextmanager
+def _one_line_warnings(prog: str) -> Iterator[None]:
+    """ftitan's own warnings print as ``{prog}: warning: <message>``; others keep Python's form."""
+    package, default = str(Path(__file__).parent), warnings.showwarning
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if not filename.startswith(package):
+            return default(message, category, filename, lineno, file, line)
+        print(f"{prog}: warning: {' '.join(str(message).split())}", file=sys.stderr if file is None else file)
+
+    with warnings.catch_warnings():  # restores showwarning after
+        warnings.showwarning = show
+        yield
+
+
 def convert_main(argv: list[str]) -> int:
     from ftitan.checkpoint.convert import hf_to_run, run_to_hf
 
@@ -77,9 +128,10 @@ def convert_main(argv: list[str]) -> int:
         else:
             raise FileNotFoundError(f"neither --run {opts.run} (a `ftitan train` run directory) nor --hf {opts.hf} "
                                     "(an HF model directory) holds a config.json; pass the one to convert from")  # fmt: skip
-    except (FileNotFoundError, ValueError) as e:
-        print(f"ftitan convert: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if not user_error(e):
+            raise
+        return _report("ftitan convert", e)
     return 0
 
 
@@ -87,13 +139,15 @@ def train_main(argv: list[str]) -> int:
     from ftitan.config import parse_train_args
     from ftitan.train.trainer import train
 
-    resume = "--resume" in argv
+    resume, overwrite = "--resume" in argv, "--overwrite" in argv
+    cfg = None
     try:
-        cfg = parse_train_args([a for a in argv if a != "--resume"], prog="ftitan train")
-    except ValueError as e:  # a bad setting: say which flag and how to fix it, no traceback
-        print(f"ftitan train: error: {e}", file=sys.stderr)
-        return 2
-    out = train(cfg, resume=resume)
+        cfg = parse_train_args([a for a in argv if a not in ("--resume", "--overwrite")], prog="ftitan train")
+        out = train(cfg, resume=resume, overwrite=overwrite)
+    except Exception as e:  # a bad setting, file or machine: one line naming it and the fix, no traceback
+        if not user_error(e):
+            raise
+        return _report("ftitan train", e, cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
         return 0
     print(f"done: {cfg.steps} steps, final train loss {out['final_loss']:.4f}, held-out loss {out['eval_loss']:.4f}")
@@ -119,9 +173,10 @@ def generate_main(argv: list[str]) -> int:
         # the n samples are one batch (KV cache, one decode step per token); sample i draws from fold_in(key, i)
         outs = generate(model, params, [prompt] * opts.n, max_new_tokens=opts.max_new_tokens, sampling=sampling,
                         key=random.key(opts.seed), eos_id=tok.eos_id)  # fmt: skip
-    except (FileNotFoundError, ValueError) as e:
-        print(f"ftitan generate: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if not user_error(e):
+            raise
+        return _report("ftitan generate", e)
     print(f"# {opts.run} at step {step}")
     for i, new in enumerate(outs):
         print(f"--- sample {i}\n{tok.decode(prompt + new)}")
@@ -130,6 +185,11 @@ def generate_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    with _one_line_warnings(" ".join(["ftitan", *argv[:1]])):
+        return _dispatch(argv)
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         return train_main(argv[1:])
     if argv[:1] == ["generate"]:
@@ -148,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         from ftitan.bench.generate import main as bench_generate
 
         return bench_generate(argv[2:])
+    if argv[:2] == ["bench", "checkpoint"]:
+        from ftitan.bench.checkpoint import main as bench_checkpoint
+
+        return bench_checkpoint(argv[2:])
     print(USAGE, file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

@@ -14,7 +14,8 @@ import tyro
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 from ftitan.parallel.dims import ParallelDims
 
-__all__ = ["DataConfig", "InitConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]
+__all__ = ["CheckpointConfig", "DataConfig", "InitConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig",
+           "ParallelConfig", "TrainConfig"]  # fmt: skip
 
 # every trainable family's config; a recipe picks one and its fields become --model.* flags
 # (named for tyro, whose default names would collide: every family's class is called Config)
@@ -39,6 +40,8 @@ class OptimConfig:
     b1: float = 0.9  # Adam beta1
     b2: float = 0.95  # Adam beta2
     clip: float = 1.0  # global-norm gradient clipping (0 disables it)
+    nonfinite: str = "skip"  # NaN/inf gradients: "skip" the update, "stop" the run, or "off" (apply them)
+    max_nonfinite: int = 3  # under "skip": this many non-finite steps in a row stop the run
 
 
 @attrs.frozen(kw_only=True)
@@ -67,6 +70,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # pipeline schedule: "1f1b" or "gpipe"
     pp_microbatches: int = 0  # micro-batches per step under pp (0: 2 * pp)
     backend: str = "auto"  # torch.distributed backend: "auto" (nccl on CUDA, gloo on CPU), "gloo" or "nccl"
+    timeout_s: float = 60.0  # seconds a rank waits for its peers (joining, each collective) before failing
 
     def dims(self) -> ParallelDims:
         """The degrees as ``ftitan.parallel.ParallelDims`` (which checks each is an int >= 1)."""
@@ -95,6 +99,15 @@ class InitConfig:
 
 
 @attrs.frozen(kw_only=True)
+class CheckpointConfig:
+    """How checkpoints are written (how often and how many: --ckpt-every, --keep)."""
+
+    backend: str = "torch-checkpointing"  # "torch-checkpointing" (async: shared-memory staging, writer subprocess), "dcp" (async: torch.distributed.checkpoint's safetensors writer) or "sync"
+    commit_timeout: float = 600.0  # seconds rank 0 waits for every rank's files before it gives a save up
+    subprocess_min_mib: float = 64.0  # torch-checkpointing's writer process starts with the first save of this many MiB on a rank; smaller saves are written from a thread (0: always the process)
+
+
+@attrs.frozen(kw_only=True)
 class TrainConfig:
     """One training run."""
 
@@ -105,12 +118,13 @@ class TrainConfig:
     parallel: ParallelConfig = ParallelConfig()
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     init: InitConfig = InitConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda" (under torchrun: cuda:LOCAL_RANK)
     steps: int = 400  # optimizer steps in total
     accum_steps: int = 1  # micro-batches per step (batch_size must divide by it)
     eval_every: int = 50  # steps between held-out evaluations (0: only at the end)
     eval_batches: int = 8  # held-out batches per evaluation
-    log_every: int = 10  # steps between metric records
+    log_every: int = 10  # steps between metric records (0: only at the end)
     ckpt_every: int = 100  # steps between checkpoints (0: only at the end)
     keep: int = 3  # checkpoints kept (the newest K)
     compile: bool = True  # torch.compile the train step (fullgraph)

@@ -8,6 +8,7 @@ re-worded to name ``--model.<field>``.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -21,11 +22,50 @@ __all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
 OPTIMIZERS: tuple[str, ...] = ("adamw", "muon")  # what ftitan.optim.from_config builds
 SCHEDULES: tuple[str, ...] = ("cosine", "wsd", "constant")
 PP_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
+NONFINITE: tuple[str, ...] = ("skip", "stop", "off")  # --optim.nonfinite (ftitan.optim.from_config)
 MIN_VOCAB = 257  # byte-level BPE: 256 byte tokens plus at least one merge / special token
 
 
 def _fail(flag: str, value: object, fix: str) -> ValueError:
     return ValueError(f"{flag}={value!r}: {fix}")
+
+
+def _floats(obj: object, names: tuple[str, ...] = ()) -> list[tuple[str, float]]:
+    """``[("--optim.lr", 3e-3), ...]``: every float field of a config tree, as its CLI flag."""
+    out: list[tuple[str, float]] = []
+    for field in attrs.fields(type(obj)):
+        value, path = getattr(obj, field.name), (*names, field.name.replace("_", "-"))
+        if attrs.has(type(value)):
+            out.extend(_floats(value, path))
+        elif isinstance(value, float):
+            out.append(("--" + ".".join(path), value))
+    return out
+
+
+def _check_finite(cfg: TrainConfig) -> None:
+    for flag, value in _floats(cfg):  # no setting means anything at inf or nan (both pass `> 0`)
+        if not math.isfinite(value):
+            raise _fail(flag, value, "must be a finite number")
+
+
+def _check_run_dir(cfg: TrainConfig) -> None:
+    """The run directory can be written, checked before any work (every rank: read-only checks)."""
+    flag, template = "--run-dir", cfg.run_dir
+    try:
+        path = template.format(recipe=cfg.recipe)
+    except (KeyError, IndexError, ValueError, AttributeError) as e:
+        raise _fail(flag, template, f"only {{recipe}} is filled in ({type(e).__name__}: {e}); write a literal "
+                    "brace as {{ or }}") from None  # fmt: skip
+    if not path.strip():
+        raise _fail(flag, template, "name a directory for the run's files (default runs/{recipe}); an empty one would "
+                    "write them into the current directory")  # fmt: skip
+    run = Path(path)
+    for p, what in ((run, "the run directory"), (run / "checkpoints", "its checkpoints directory")):
+        if p.exists() and not p.is_dir():
+            raise _fail(flag, template, f"{what} {p} is a file; move the file away or pass another --run-dir")
+    existing = next(p for p in (run, *run.parents) if p.exists())  # the deepest part that exists, to create in
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _fail(flag, template, f"{existing} is not writable by this user; pass a --run-dir you can write to")
 
 
 def _check_model(cfg: TrainConfig) -> None:
@@ -45,8 +85,9 @@ def _check_optim(cfg: TrainConfig) -> None:
         raise _fail("--optim.lr", o.lr, "the learning rate must be > 0")
     if o.warmup < 0:
         raise _fail("--optim.warmup", o.warmup, "warmup steps must be >= 0")
-    if o.warmup > cfg.steps:
-        raise _fail("--optim.warmup", o.warmup, f"warmup exceeds --steps={cfg.steps}; lower it or raise --steps")
+    if o.warmup > cfg.steps or (o.warmup == cfg.steps and o.schedule != "constant"):
+        raise _fail("--optim.warmup", o.warmup, f"warmup must be below --steps={cfg.steps} (the {o.schedule} decay "
+                    "follows it); lower it or raise --steps")  # fmt: skip
     if not 0 <= o.final_lr_fraction <= 1:
         raise _fail("--optim.final-lr-fraction", o.final_lr_fraction, "must lie in [0, 1]")
     if not o.weight_decay >= 0:
@@ -56,6 +97,29 @@ def _check_optim(cfg: TrainConfig) -> None:
             raise _fail(flag, beta, "an Adam beta must lie in [0, 1)")
     if not o.clip >= 0:
         raise _fail("--optim.clip", o.clip, "must be >= 0 (0 disables clipping)")
+    if o.nonfinite not in NONFINITE:
+        raise _fail("--optim.nonfinite", o.nonfinite, f"expected one of {NONFINITE}")
+    if o.max_nonfinite < 1:
+        raise _fail("--optim.max-nonfinite", o.max_nonfinite, "stop after at least 1 non-finite step in a row")
+
+
+def _check_checkpoint(cfg: TrainConfig) -> None:
+    import importlib.util
+
+    from ftitan.checkpoint import BACKENDS
+
+    c = cfg.checkpoint
+    if c.backend not in BACKENDS:
+        raise _fail("--checkpoint.backend", c.backend, f"expected one of {BACKENDS}")
+    if c.backend == "torch-checkpointing" and importlib.util.find_spec("torch_checkpointing") is None:
+        raise _fail("--checkpoint.backend", c.backend, "torch-checkpointing is not installed: pip install "
+                    "torch-checkpointing==0.1.1, or use --checkpoint.backend dcp or sync")  # fmt: skip
+    if not c.commit_timeout > 0:
+        raise _fail("--checkpoint.commit-timeout", c.commit_timeout, "seconds to wait for every rank's files; must "
+                    "be > 0")  # fmt: skip
+    if not c.subprocess_min_mib >= 0:
+        raise _fail("--checkpoint.subprocess-min-mib", c.subprocess_min_mib, "must be >= 0 (0: always the writer "
+                    "process)")  # fmt: skip
 
 
 def _check_parallel(cfg: TrainConfig) -> None:
@@ -66,6 +130,8 @@ def _check_parallel(cfg: TrainConfig) -> None:
         raise ValueError(str(e) if str(e).startswith("--") else f"--{e}") from None  # name the flag
     if p.pp_schedule not in PP_SCHEDULES:
         raise _fail("--parallel.pp-schedule", p.pp_schedule, f"expected one of {PP_SCHEDULES}")
+    if not p.timeout_s > 0:  # (finite: _check_finite)
+        raise _fail("--parallel.timeout-s", p.timeout_s, "seconds to wait for the other ranks; must be > 0")
     if p.pp_microbatches < 0:
         raise _fail("--parallel.pp-microbatches", p.pp_microbatches, "must be >= 0 (0: 2 * pp)")
     data_ranks = p.dp_replicate * p.dp_shard * p.ep
@@ -178,11 +244,14 @@ def _check_cross(cfg: TrainConfig) -> None:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check a run; return it unchanged, or raise ``ValueError("--flag=value: fix")``."""
+    _check_finite(cfg)
     _check_model(cfg)
     _check_loop(cfg)
     _check_runtime(cfg)
     _check_optim(cfg)
     _check_data(cfg)
     _check_parallel(cfg)
+    _check_checkpoint(cfg)
     _check_cross(cfg)
+    _check_run_dir(cfg)
     return cfg

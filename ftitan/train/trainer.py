@@ -15,18 +15,19 @@ from __future__ import annotations
 import functools
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ftitan import data, optim, random
-from ftitan.checkpoint.run import RunDir, load_run
+from ftitan.checkpoint.run import RunDir, RunDirError, load_run
 from ftitan.config.io import config_from_dict, config_to_dict
 from ftitan.config.schema import TrainConfig
 from ftitan.data.pipeline import eval_rows, loader_state_like, train_batches
 from ftitan.models import registry
-from ftitan.train import runtime
+from ftitan.train import faults, memory, nonfinite, runtime
 from ftitan.train.losses import next_token_loss
 from ftitan.train.metrics import MetricsSink, Throughput, plot_losses, to_record
 from ftitan.train.precision import MixedPrecision
@@ -46,8 +47,20 @@ def evaluate(batch_loss: Callable[[Any, Any], float], params: Any, batches: Iter
     return sum(losses) / len(losses)
 
 
-def _data(cfg: TrainConfig, rt: runtime.Runtime, run: RunDir) -> data.pipeline.RunData:
-    """Rank 0 writes the run directory and prepares the data (tokenizer, token caches); the others read them."""
+def _data(cfg: TrainConfig, rt: runtime.Runtime, run: RunDir, *, resume: bool, overwrite: bool) -> data.pipeline.RunData:
+    """Rank 0 writes the run directory and prepares the data (tokenizer, token caches); the others read them.
+    A directory holding another run is refused first (``--overwrite``: rank 0 clears it)."""
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite: pick one (--resume continues the run in --run-dir, --overwrite "
+                          "deletes it and starts over)")  # fmt: skip
+    # every rank checks (the same files, the same answer) before rank 0 clears or writes anything
+    stale = overwrite or run.check_reuse(config_to_dict(cfg), resume=resume)
+    rt.barrier()
+    if stale and rt.is_main:
+        removed = run.clear()
+        if removed and not overwrite:
+            warnings.warn(f"{run.path}: held a run with another model or data and no checkpoint yet; its "
+                          f"{', '.join(removed)} were deleted, to be made again for this run", stacklevel=2)
     if rt.is_main:
         run.create(config_to_dict(cfg))
         prepared = data.pipeline.prepare(cfg, run.path)
@@ -57,13 +70,20 @@ def _data(cfg: TrainConfig, rt: runtime.Runtime, run: RunDir) -> data.pipeline.R
     return prepared
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg``; returns the final metrics and where things were written."""
+@faults.reports_peer_failures  # under torchrun: a dead or hung peer ends this rank with one line, not a hang
+def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run ``cfg``; returns the final metrics and where things were written.
+
+    ``resume``: continue the run in ``cfg.run_dir`` from its newest valid checkpoint (a directory
+    without one starts at step 0). ``overwrite``: delete the run there first. A directory holding
+    another run (other model or data, or checkpoints without ``resume``) is refused
+    (:class:`ftitan.checkpoint.RunDirError`)."""
     from tqdm import tqdm
 
     rt = runtime.setup(cfg.parallel, device=cfg.device)  # device, torchrun world, layout; degrees checked first
+    memory.check_fits(cfg, rt.device)  # params + grads + optimizer state, from meta shapes: before any work
     run, cfg_dict = RunDir.of(cfg), config_to_dict(cfg)
-    prepared = _data(cfg, rt, run)
+    prepared = _data(cfg, rt, run, resume=resume, overwrite=overwrite)
 
     model = registry.model_for(cfg.model)
     shapes = model.init(random.key(cfg.seed), device="meta")  # the whole model's shapes; allocates nothing
@@ -76,11 +96,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     # each rank materializes only its own blocks, on its device: drawn from the seed, or read from --init.hf
     params = rt.load_hf(model, cfg.init.hf) if cfg.init.hf else rt.init_params(model, random.key(cfg.seed))
     state: TrainState = init_state(params, opt, rng=random.key(cfg.seed))
-    full_like = init_state(shapes, opt, rng=random.key(cfg.seed))  # what a checkpoint holds: full tensors
+    whole = init_state(shapes, opt, rng=random.key(cfg.seed))  # what a checkpoint holds, every stage (meta)
     loader, start = loader_state_like(cfg), 0
-    if resume and (found := run.resume({"state": full_like, "loader": loader})) is not None:
-        restored, start = found  # full tensors: this rank takes its stage and blocks, on its device
-        state, loader = rt.from_full(restored["state"], state), restored["loader"]
+    if rt.is_main:
+        run.remove_unfinished()  # temp dirs of saves a killed run cut short
+    if resume and (found := run.resume({"state": state, "loader": loader}, whole={"state": whole, "loader": loader})):
+        restored, start = found  # each rank read only its stage's blocks, whatever layout saved them
+        state, loader = restored["state"], restored["loader"]
+    if start > cfg.steps:
+        raise RunDirError(f"--steps={cfg.steps}: the run in {run.path} is already at step {start}; pass --steps "
+                          f"above {start} to train further (or --overwrite to start over)")  # fmt: skip
     batches = train_batches(prepared, cfg, loader, device=rt.device, data_rank=rt.data_rank())
     evals = eval_rows(prepared, cfg, device=rt.device, data_rank=rt.data_rank())
     sink = MetricsSink(run.path, keep_until=start) if rt.is_main else None
@@ -90,36 +115,44 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
         batch_loss = functools.partial(rt.eval_loss, model, loss_fn, rows_local=batches.rows_local, precision=precision)
         return evaluate(batch_loss, state.params, evals)
 
+    saver = run.checkpointer(cfg.checkpoint, keep=cfg.keep, cfg_dict=cfg_dict)  # every rank: its own writer
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (progress and rt.is_main),
                unit="step")  # fmt: skip
     last: dict[str, Any] = {}
     speed = Throughput(cfg.data.batch_size * cfg.data.seq_len)
-    for i in bar:
-        batch = rt.local_batch(next(batches), rows_local=batches.rows_local)
-        state, m = step_fn(state, batch)  # data -> step: nothing waits for the device
-        step = i + 1
-        speed.step()
-        if step % cfg.log_every == 0 or step == cfg.steps:  # record steps alone read metrics back
-            last = {"step": step, **to_record(m), "tokens_per_s": speed.read()}
-            if sink is not None:
-                sink.log(last)
-            load = {"load": f"{last['moe.max_load']:.2f}"} if "moe.max_load" in last else {}
-            bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.1e}",
-                            **load)  # fmt: skip
-        t_side = time.perf_counter()
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-            ev = held_out_loss()
-            if sink is not None:
-                sink.log({"step": step, "eval_loss": ev})
-                bar.write(f"step {step}: held-out loss {ev:.4f}")
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
-            full_state = rt.to_full(state, full_like)  # collective under a layout
-            loader = batches.global_state(rt.gather_by_data_rank)  # every rank's rows' position: collective
-            if rt.is_main:
-                run.save(step, {"state": full_state, "loader": loader}, keep=cfg.keep, cfg_dict=cfg_dict)
-            rt.barrier()
-        speed.exclude(time.perf_counter() - t_side)  # evaluation and checkpoints are not training time
-    bar.close()
+    try:
+        for i in bar:
+            batch = rt.local_batch(next(batches), rows_local=batches.rows_local)
+            state, m = step_fn(state, batch)  # data -> step: nothing waits for the device
+            step = i + 1
+            speed.step()
+            if (cfg.log_every and step % cfg.log_every == 0) or step == cfg.steps:  # only record steps read back
+                last = {"step": step, **to_record(m), "tokens_per_s": speed.read()}
+                guard = nonfinite.read(state)  # the non-finite guard's counters, read back with the metrics
+                last.update(guard.metrics())
+                if sink is not None:
+                    sink.log(last)
+                load = {"load": f"{last['moe.max_load']:.2f}"} if "moe.max_load" in last else {}
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                lr=f"{last['lr']:.1e}", **load)  # fmt: skip
+                guard.check(cfg.optim, step=step, run_dir=run, settle=saver.wait)  # halted: stop, naming it
+            t_side = time.perf_counter()
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                ev = held_out_loss()
+                if sink is not None:
+                    sink.log({"step": step, "eval_loss": ev})
+                    bar.write(f"step {step}: held-out loss {ev:.4f}")
+            if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
+                # never checkpoint a non-finite state: a halted guard or a NaN param stops the run (one read back)
+                nonfinite.read(state, params=True).check(cfg.optim, step=step, run_dir=run, settle=saver.wait)
+                loader = batches.global_state(rt.gather_by_data_rank)  # every rank's rows' position: collective
+                saver.save(step, {"state": state, "loader": loader})  # each rank its blocks; blocks while staging
+            speed.exclude(time.perf_counter() - t_side)  # evaluation and checkpoints are not training time
+        bar.close()
+        saver.close()  # every rank's last save committed before train returns
+    except BaseException:
+        saver.abort()  # a dead peer must not keep this rank waiting on its save
+        raise
     batches.close()
     records = sink.records if sink is not None else []
     if sink is not None:
@@ -129,7 +162,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, progress: bool = True) -> d
     rt.close()
     return {
         "run_dir": str(run.path),
-        "final_loss": last.get("loss", math.nan),
+        "start_step": start,  # where this call began: the resumed checkpoint's step, else 0
+        # a resumed run that had nothing left to do reports what its metrics recorded
+        "final_loss": last.get("loss", next((r["loss"] for r in reversed(records) if "loss" in r), math.nan)),
         "eval_loss": held_out[-1] if held_out else math.nan,
         "records": records,
         "model": model,

@@ -17,8 +17,12 @@ def test_quick_run_reports_decode_rates_ratios_and_goals(tmp_path, capsys):
     assert set(printed["results"]) == {"b2"} and printed["skipped"] == {}
     for results in printed["results"].values():
         assert set(results) == {"ftitan-compiled", "hf", "vllm-ftitan", "vllm-builtin"}
+        n = printed["config"]["new_tokens"]
         for r in results.values():
             assert r["decode_tokens_per_s"] > 0 and r["generation_s"] > 0
+            # decode rate = the batch's tokens after the first over the time they added to a 1-token generation
+            decoded = r["decode_tokens_per_s"] * (r["generation_s"] - r["prefill_s"])
+            assert abs(decoded - 2 * (n - 1)) <= 1e-6 * decoded
             assert r["same_tokens_as_first_peer"]  # every peer decodes the same greedy tokens
     b2 = printed["results"]["b2"]
     want = b2["ftitan-compiled"]["decode_tokens_per_s"] / b2["hf"]["decode_tokens_per_s"]

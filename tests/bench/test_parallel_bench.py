@@ -17,13 +17,15 @@ def test_quick_run_reports_time_and_bytes_per_layout(tmp_path, capsys):
     assert printed["bench"] == "parallel" and printed["met"] is True
     res = printed["results"]
     assert set(res) == {"single", "dp_shard=4", "dp_shard=2,tp=2"}
+    cfg = bench._config(bench.Options(quick=True))
     for name in ("dp_shard=4", "dp_shard=2,tp=2"):
         assert res[name]["median_s"] > 0 and res[name]["bytes_sent_per_rank"] > 0
+        tokens = cfg["batch_size"] * cfg["seq_len"]  # one global batch per step, whatever the layout
+        assert abs(res[name]["tokens_per_s"] * res[name]["median_s"] - tokens) <= 1e-6 * tokens
         assert abs(printed["ratios"][f"{name}/single"] - res[name]["tokens_per_s"] / res["single"]["tokens_per_s"]) < 1e-9
 
     # FSDP over 4 ranks: each rank sends 3 of its 4 shards' worth per gather (ring) and the same per
     # reduce-scatter of the gradients, for exactly the leaves split over dp_shard
-    cfg = bench._config(bench.Options(quick=True))
     model = bench._model(cfg, moe=False)
     params = model.init(ft.random.key(0), device="meta")
     shardings = parallel.resolve(params, model.param_axes, parallel.default_rules(), {"dp_shard": 4})

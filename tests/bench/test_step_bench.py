@@ -13,9 +13,13 @@ def test_quick_run_reports_results_ratios_and_goals(tmp_path, capsys):
     assert printed == json.loads(out.read_text())
     assert printed["bench"] == "step" and printed["config"]["quick"] is True
     assert set(printed["results"]) == {"ftitan-compiled", "ftitan-eager", "hf-eager"}
+    tokens = printed["config"]["batch_size"] * printed["config"]["seq_len"]
     for r in printed["results"].values():
         assert r["tokens_per_s"] > 0 and 0 < r["mfu_vs_gemm_peak"]
         assert len(r["times_s"]) == 2
+        # the rate is the tokens of one step over its median time, and the median is of the timed calls
+        assert abs(r["tokens_per_s"] * r["median_s"] - tokens) <= 1e-6 * tokens
+        assert min(r["times_s"]) <= r["median_s"] <= max(r["times_s"])
     res = printed["results"]
     want = res["ftitan-compiled"]["tokens_per_s"] / res["hf-eager"]["tokens_per_s"]
     assert abs(printed["ratios"]["ftitan-compiled/hf-eager"] - want) < 1e-9

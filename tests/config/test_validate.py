@@ -41,6 +41,7 @@ CASES = [
     (dict(optim__lr=-1.0), "--optim.lr"),
     (dict(optim__lr=math.nan), "--optim.lr"),
     (dict(optim__warmup=301), "--optim.warmup"),
+    (dict(optim__warmup=250), "--optim.warmup"),  # = --steps: the cosine decay needs a step after it
     (dict(optim__warmup=-1), "--optim.warmup"),
     (dict(optim__name="sgdd"), "--optim.name"),
     (dict(optim__schedule="linear"), "--optim.schedule"),
@@ -94,7 +95,7 @@ def test_valid_variants_pass(tmp_path):
     for corpus in ("c.txt", "c.jsonl"):
         (tmp_path / corpus).write_text("hello")
         config.validate(_with(_base(), data__corpus=str(tmp_path / corpus)))
-    config.validate(_with(_base(), accum_steps=4, eval_every=0, ckpt_every=0, log_every=0, optim__warmup=250))
+    config.validate(_with(_base(), accum_steps=4, eval_every=0, ckpt_every=0, log_every=0, optim__warmup=249))
 
 
 def test_model_checks_surface_with_the_model_prefix():

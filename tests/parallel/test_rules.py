@@ -99,8 +99,24 @@ def test_placement_dump_matches_golden(family, cfg, sizes):
     model = {"llama": llama, "deepseek_v3": deepseek_v3}[family].model(cfg)
     params = model.init(ft.random.key(0), device="meta")
     shardings = parallel.resolve(params, model.param_axes, parallel.default_rules(), sizes)
+    dump = parallel.dump(shardings)
+    # written by hand, not by the code under test (the golden file is): Megatron's column-parallel
+    # projections split their output rows over tp and row-parallel ones their input columns, FSDP takes
+    # the model dim, the vocabulary splits over tp, norms stay whole, routed experts split over ep first
+    column = "(tp, dp_shard)"
+    want = {"embed": column, "head": column, "norm": "(-)", "layers.0.attn_norm": "(-)", "layers.0.mlp_norm": "(-)",
+            "layers.0.attn.wo": "(dp_shard, tp)", "layers.0.mlp.w1": column, "layers.0.mlp.w3": column,
+            "layers.0.mlp.w2": "(dp_shard, tp)"}  # fmt: skip
+    if family == "llama":
+        want |= {"layers.0.attn.wq": column, "layers.0.attn.wk": column, "layers.0.attn.wv": column}
+    else:  # MLA: the low-rank down projections are FSDP only, their up projections column-parallel
+        want |= {"layers.0.attn.wq_a": "(dp_shard, -)", "layers.0.attn.wkv_a": "(dp_shard, -)",
+                 "layers.0.attn.wq_b": column, "layers.0.attn.wkv_b": column, "layers.1.moe.shared.w1": column,
+                 "layers.1.moe.shared.w2": "(dp_shard, tp)", "layers.1.moe.experts.w1": "(ep, tp, dp_shard)",
+                 "layers.1.moe.experts.w3": "(ep, tp, dp_shard)", "layers.1.moe.experts.w2": "(ep, dp_shard, tp)"}  # fmt: skip
+    assert {k: dump[k] for k in want} == want
     tag = "_".join(f"{k}{v}" for k, v in sizes.items())
-    _golden(f"placements_{family}_debug_{tag}.json", parallel.dump(shardings))
+    _golden(f"placements_{family}_debug_{tag}.json", dump)
 
 
 def test_insufficiently_sharded_check_lists_replicated_large_leaves():

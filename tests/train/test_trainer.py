@@ -25,7 +25,7 @@ cfg = TrainConfig(
     steps=steps, eval_every=10, eval_batches=2, log_every=1, ckpt_every=10, keep=2, compile=False, run_dir=run_dir,
 )
 out = train(cfg, resume=resume, progress=False)
-print(json.dumps({"final_loss": out["final_loss"], "eval_loss": out["eval_loss"]}))
+print(json.dumps({"final_loss": out["final_loss"], "eval_loss": out["eval_loss"], "start_step": out["start_step"]}))
 """
 
 
@@ -87,6 +87,15 @@ def test_sigkill_then_resume_equals_uninterrupted_bit_for_bit(tmp_path, corpus):
     assert victim.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     assert not (killed_dir / "checkpoints" / f"step_{steps:08d}").exists()
 
+    before = (killed_dir / "metrics.jsonl").read_text().splitlines()
     resumed = _launch(tmp_path, corpus, killed_dir, steps, resume=True)
-    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    start = json.loads(out.strip().splitlines()[-1])["start_step"]
+    assert 10 <= start < steps and start % 10 == 0  # it restarted from a checkpoint, not from step 0
+    after = (killed_dir / "metrics.jsonl").read_text().splitlines()
+    # the killed run's records up to the checkpoint stay as they were (their wall-clock tokens_per_s
+    # included: a run that restarted from 0 would rewrite them); the resumed one logged only later steps
+    kept = [line for line in before if json.loads(line)["step"] <= start]
+    assert after[: len(kept)] == kept and all(json.loads(line)["step"] > start for line in after[len(kept) :])
     assert _losses(killed_dir) == _losses(tmp_path / "full")  # floats compared exactly
