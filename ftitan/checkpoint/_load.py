@@ -129,7 +129,7 @@ class Reader:
 
 
 def load(
-    path_or_directory: str | Path, like_tree: Any, *, verify: bool = True, whole: Any = None
+    path_or_directory: str | Path, like_tree: Any, *, verify: bool = True, whole: Any = None, into: bool = False
 ) -> tuple[Any, Manifest]:
     """``(tree, manifest)``: the checkpoint restored into the structure and sharding of ``like_tree``.
 
@@ -144,6 +144,10 @@ def load(
     ``whole``: when ``like_tree`` is part of what was saved (a pipeline stage's leaves, or just the
     params), a tree of the whole structure (meta tensors do): the checkpoint must match it exactly and
     ``like_tree``'s paths must be among its paths; only ``like_tree``'s leaves are read.
+
+    ``into=True``: write into ``like_tree``'s own tensors (their local blocks) and return them, so a
+    resume never holds two copies of the state (a leaf at a time is read on the CPU first). The values
+    ``like_tree`` held are overwritten, also when the load fails part way (meta leaves load as usual).
 
     Raises :class:`CheckpointError` naming the mismatched paths, or :class:`CorruptCheckpointError`
     for a missing manifest, a truncated or corrupted file. Not collective.
@@ -164,7 +168,7 @@ def load(
             raise CheckpointError(f"load: like_tree's {_some(outside)} are not in `whole`; pass a part of it")
         _check_structure(manifest, paths, likes, partial=True)
     with Reader(manifest, verify=verify and not verified) as reader:
-        leaves = [_restore(reader, path, like) for path, like in zip(paths, likes, strict=True)]
+        leaves = [_restore(reader, path, like, into=into) for path, like in zip(paths, likes, strict=True)]
     return ftree.unflatten(treedef, leaves), manifest
 
 
@@ -219,10 +223,14 @@ def _some(paths: list[str]) -> str:
     return shown + (f" (and {len(paths) - _SHOWN} more)" if len(paths) > _SHOWN else "")
 
 
-def _restore(reader: Reader, path: str, like: torch.Tensor) -> torch.Tensor:
+def _restore(reader: Reader, path: str, like: torch.Tensor, *, into: bool = False) -> torch.Tensor:
     offsets, shape = block_of(path, like)
     x = reader.read(path, offsets, shape)
     local = like.to_local() if isinstance(like, DTensor) else like
+    if into and local.device.type != "meta":
+        with torch.no_grad():
+            local.copy_(x)  # a DTensor's local block shares its storage: the DTensor holds the loaded values
+        return like
     if local.device.type not in ("cpu", "meta"):
         x = x.to(local.device)
     if isinstance(like, DTensor):

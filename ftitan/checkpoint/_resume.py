@@ -28,9 +28,9 @@ __all__ = ["resume_newest"]
 LOAD_TIMEOUT_S = 3600.0  # how long a rank that loaded its blocks waits for the slowest one
 
 
-def _attempt(path: Path, like: Any, whole: Any) -> tuple[Any, Manifest | None, tuple[str, str] | None]:
+def _attempt(path: Path, like: Any, whole: Any, into: bool) -> tuple[Any, Manifest | None, tuple[str, str] | None]:
     try:
-        restored, manifest = load(path, like, whole=whole)  # verifies the files this rank reads
+        restored, manifest = load(path, like, whole=whole, into=into)  # verifies the files this rank reads
         return restored, manifest, None
     except CorruptCheckpointError as e:
         return None, None, ("corrupt", str(e))
@@ -52,11 +52,11 @@ def _on_rank(rank: int, message: str) -> str:
     return f"{message} (rank {rank})" if world()[1] > 1 else message
 
 
-def resume_newest(directory: Path, like: Any, *, whole: Any = None) -> tuple[Any, Manifest] | None:
+def resume_newest(directory: Path, like: Any, *, whole: Any = None, into: bool = False) -> tuple[Any, Manifest] | None:
     """``(tree, manifest)`` from the newest checkpoint under ``directory`` that loads on every rank;
     ``None`` when there is none at all. Collective under a process group. Raises
     :class:`CheckpointError` when checkpoints exist but none loads (listing each and why), or when the
-    newest readable one does not fit ``like`` (see :func:`ftitan.checkpoint.load`)."""
+    newest readable one does not fit ``like`` (see :func:`ftitan.checkpoint.load`, also for ``into``)."""
     tried: list[str] = []
     candidates = [p.name for p in list_checkpoints(directory)]
     group = patient_group(LOAD_TIMEOUT_S) if world()[1] > 1 else None
@@ -65,7 +65,7 @@ def resume_newest(directory: Path, like: Any, *, whole: Any = None) -> tuple[Any
         dist.all_gather_object(listings, candidates, group=group)
         candidates = listings[0]
     for path in (directory / name for name in reversed(candidates)):
-        restored, manifest, found = _attempt(path, like, whole)
+        restored, manifest, found = _attempt(path, like, whole, into)  # into: a fallback overwrites it all again
         failed = [(r, f) for r, f in enumerate(_everyone(found, group)) if f is not None]
         if not failed:
             assert manifest is not None

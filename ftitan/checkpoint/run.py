@@ -158,14 +158,15 @@ class RunDir:
             removed.append(name)
         return removed
 
-    def resume(self, like: Any, *, whole: Any = None) -> tuple[Any, int] | None:
+    def resume(self, like: Any, *, whole: Any = None, into: bool = False) -> tuple[Any, int] | None:
         """``(tree, step)`` from the newest checkpoint every rank can load, restored into ``like``'s
         structure and sharding (DTensor leaves read only their blocks, whatever layout saved them; a
         meta leaf loads whole on the CPU); ``None`` when there is no checkpoint. ``whole``: the whole
         structure when ``like`` is a pipeline stage's part (see :func:`ftitan.checkpoint.load`).
         Collective under a process group. A damaged newest checkpoint is skipped with a warning; when
-        checkpoints exist but none loads, raises :class:`CorruptCheckpointError` listing each and why."""
-        found = resume_newest(self.checkpoints, like, whole=whole)
+        checkpoints exist but none loads, raises :class:`CorruptCheckpointError` listing each and why.
+        ``into=True``: load into ``like``'s own tensors (one copy of the state; see ``load``)."""
+        found = resume_newest(self.checkpoints, like, whole=whole, into=into)
         return None if found is None else (found[0], found[1].step)
 
     def save(self, step: int, tree: Any, *, keep: int, cfg_dict: dict[str, Any]) -> Path:

@@ -100,8 +100,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
     loader, start = loader_state_like(cfg), 0
     if rt.is_main:
         run.remove_unfinished()  # temp dirs of saves a killed run cut short
-    if resume and (found := run.resume({"state": state, "loader": loader}, whole={"state": whole, "loader": loader})):
-        restored, start = found  # each rank read only its stage's blocks, whatever layout saved them
+    if resume and (found := run.resume({"state": state, "loader": loader}, whole={"state": whole, "loader": loader},
+                                       into=True)):  # fmt: skip
+        restored, start = found  # each rank read only its stage's blocks, whatever layout saved them, into its state
         state, loader = restored["state"], restored["loader"]
     if start > cfg.steps:
         raise RunDirError(f"--steps={cfg.steps}: the run in {run.path} is already at step {start}; pass --steps "

@@ -96,6 +96,17 @@ def test_load_into_meta_like_tree(tmp_path):
     assert all(x.device.type == "cpu" for x in tree.leaves(restored))
 
 
+def test_load_into_writes_the_like_trees_own_tensors(tmp_path):
+    state = _nested()
+    ckpt.save(tmp_path, 0, state)
+    like = tree.map(torch.zeros_like, state)
+    restored, _ = ckpt.load(tmp_path, like, into=True)
+    assert_bit_exact(state, restored)
+    # no second copy of the state: the very tensors of like_tree now hold the checkpoint
+    assert all(a is b for a, b in zip(tree.leaves(restored), tree.leaves(like), strict=True))
+    assert_bit_exact(state, like)
+
+
 def test_views_and_tied_weights_are_stored_as_copies(tmp_path):
     base = torch.arange(24.0).reshape(4, 6)
     state = {"t": base.t(), "row": base[1], "tied_a": base, "tied_b": base, "empty": torch.empty(0)}
