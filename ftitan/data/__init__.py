@@ -23,6 +23,17 @@ resumable on any data-parallel degree, tokenized ahead by a background thread (d
     evals = fd.held_out_batches(src, tok, seq_len=256, batch_size=8)
 """
 
+from ftitan.data.chat import (
+    BUILTIN_TEMPLATE,
+    ChatTemplate,
+    ChatTokens,
+    Conversation,
+    chat_examples,
+    encode_chat,
+    load_chat_template,
+    read_conversations,
+    render_chat,
+)
 from ftitan.data.corpus import jsonl, stdlib_corpus, stdlib_files, text_files
 from ftitan.data.heldout import held_out_batches
 from ftitan.data.loader import (
@@ -49,6 +60,15 @@ from ftitan.data.stream import (
 from ftitan.data.tokenizer import EOS, Tokenizer, load_tokenizer, tokenizer_for, train_tokenizer
 
 __all__ = [
+    "BUILTIN_TEMPLATE",
+    "ChatTemplate",
+    "ChatTokens",
+    "Conversation",
+    "chat_examples",
+    "encode_chat",
+    "load_chat_template",
+    "read_conversations",
+    "render_chat",
     "EOS",
     "Batch",
     "LoaderState",

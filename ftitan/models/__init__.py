@@ -10,6 +10,7 @@ or an ftitan run directory in one call.
 """
 
 from ftitan.models import base, deepseek_v3, hf, llama, qwen3, qwen3_moe, registry
+from ftitan.models import lora
 from ftitan.models.base import Model
 from ftitan.models.hf import config_from_hf, config_to_hf, from_hf, load_hf, save_hf, to_hf
 from ftitan.models.pretrained import from_pretrained
@@ -25,6 +26,7 @@ __all__ = [
     "hf",
     "llama",
     "load_hf",
+    "lora",
     "qwen3",
     "qwen3_moe",
     "registry",
