@@ -19,7 +19,7 @@ import contextlib
 import fnmatch
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -37,6 +37,7 @@ __all__ = [
     "combine",
     "flatten",
     "flatten_with_paths",
+    "from_paths",
     "global_norm",
     "norm_across",
     "norm_is_combined",
@@ -91,6 +92,19 @@ def flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any], Any]:
 
 def paths(tree: Tree) -> list[str]:
     return flatten_with_paths(tree)[0]
+
+
+def from_paths(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested dicts from ``{dotted path: leaf}``: ``{"a.b": x}`` -> ``{"a": {"b": x}}`` (the inverse of
+    ``dict(zip(*flatten_with_paths(tree)[:2]))`` for a tree of dicts)."""
+    out: dict[str, Any] = {}
+    for path, x in flat.items():
+        *parents, last = path.split(".")
+        node = out
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = x
+    return out
 
 
 def map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:  # noqa: A001 - mirrors jax.tree.map

@@ -189,3 +189,14 @@ def test_filter_grad_over_partition_output_equals_grad_of_the_whole_tree():
     assert grads["frozen"]["b"] is None
     torch.testing.assert_close(grads["w"], full["w"])
     torch.testing.assert_close(grads["v"], full["v"])
+
+
+def test_from_paths_inverts_flatten_with_paths_on_dicts():
+    import torch
+
+    from ftitan import tree as T
+
+    nested = {"layers": {"0": {"attn": {"wq": torch.ones(2)}, "norm": torch.zeros(1)}}, "head": torch.ones(3)}
+    paths, leaves, _ = T.flatten_with_paths(nested)
+    back = T.from_paths(dict(zip(paths, leaves, strict=True)))
+    assert T.paths(back) == paths and all(a is b for a, b in zip(T.leaves(back), leaves, strict=True))

@@ -86,18 +86,6 @@ def _targets(model: Model, targets: Sequence[str], explicit: bool) -> tuple[str,
     return tuple(chosen)
 
 
-def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"a.b.c": x}`` -> ``{"a": {"b": {"c": x}}}``."""
-    out: dict[str, Any] = {}
-    for path, x in flat.items():
-        *parents, last = path.split(".")
-        node = out
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[last] = x
-    return out
-
-
 def _lookup(t: Any, path: str) -> Any:
     for k in path.split("."):
         t = t[k]
@@ -116,7 +104,7 @@ def add_adapters(cfg: Config, base_params: tree.Tree, key: torch.Tensor) -> dict
                            dtype=w.dtype, device=w.device)  # fmt: skip
         b = torch.zeros(out_dim, cfg.rank, dtype=w.dtype, device=w.device)
         adapters[p] = {"A": a, "B": b}
-    return {"base": base_params, "lora": _nest(adapters)}
+    return {"base": base_params, "lora": tree.from_paths(adapters)}
 
 
 def _is_adapter(node: Any) -> bool:
@@ -155,7 +143,7 @@ def lora(model: Model, *, rank: int, alpha: float, targets: Sequence[str] | None
     cfg = Config(base=model.config, rank=rank, alpha=float(alpha), targets=globs, paths=paths)
     scale = cfg.scale
     axes_of = {p: _lookup(model.param_axes, p) for p in paths}  # (out axis, in axis) of each W
-    lora_axes = _nest({p: {"A": (None, ax[1]), "B": (ax[0], None)} for p, ax in axes_of.items()})
+    lora_axes = tree.from_paths({p: {"A": (None, ax[1]), "B": (ax[0], None)} for p, ax in axes_of.items()})
 
     def init(key: torch.Tensor, *, dtype: torch.dtype = torch.float32, device: Any = None) -> tree.Tree:
         return add_adapters(cfg, model.init(key, dtype=dtype, device=device), key)
@@ -267,7 +255,7 @@ def load_peft(
         adapters[by_name[m]] = {
             ab: state[f"{_PEFT_PREFIX}{m}.lora_{ab}.weight"].to(dtype=like.dtype, device=like.device) for ab in "AB"
         }
-    return lm, {"base": base_params, "lora": _nest(adapters)}
+    return lm, {"base": base_params, "lora": tree.from_paths(adapters)}
 
 
 def _all_linear(model: Model) -> tuple[str, ...]:

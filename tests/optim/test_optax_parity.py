@@ -116,17 +116,7 @@ def flat(t):
 
 
 def grads_nested(grads):
-    def nest(g):
-        out: dict = {}
-        for k, v in g.items():
-            *parents, leaf = k.split(".")
-            d = out
-            for q in parents:
-                d = d.setdefault(q, {})
-            d[leaf] = v
-        return out
-
-    return [nest(g) for g in grads]
+    return [tree.from_paths(g) for g in grads]
 
 
 def test_multi_steps_matches_optax():

@@ -14,7 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 
@@ -25,7 +24,7 @@ from ftitan.models import deepseek_v3, hf, llama, qwen3_moe
 # the launch script's directory is on sys.path (torchrun runs tests/parallel/_parity.py)
 from _checks_ep import tiny_deepseek_v3, tiny_qwen3_moe
 from _fake_ranks import expected as _expected
-from _fake_ranks import mismatches
+from _fake_ranks import mismatches, write_index_sharded
 from _parity import tiny_llama
 
 torch.set_num_threads(1)
@@ -66,13 +65,7 @@ def _write(directory: Path, family: str, *, fused: bool) -> None:
     if not fused:
         hf.save_hf(params, cfg, directory)
         return
-    state = hf.to_hf(ft.tree.map(lambda x: x.float(), params), cfg, layout="module")
-    names = sorted(state)
-    shards = {f"model-{i + 1:05d}-of-00002.safetensors": names[i::2] for i in range(2)}
-    for file, keys in shards.items():
-        safetensors.torch.save_file({k: state[k].contiguous() for k in keys}, directory / file)
-    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
-    (directory / hf.WEIGHTS_INDEX_FILE).write_text(json.dumps(index))
+    write_index_sharded(hf.to_hf(ft.tree.map(lambda x: x.float(), params), cfg, layout="module"), directory)
     (directory / hf.CONFIG_FILE).write_text(json.dumps(hf.config_to_hf(cfg)))
 
 

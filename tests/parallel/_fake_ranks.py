@@ -105,6 +105,16 @@ def init_check(layout_name: str) -> dict:
     return {"check": f"init_{layout_name}", "bad": bad[:8], "n_bad": len(bad), "leaves": n}
 
 
+def write_index_sharded(state: dict[str, torch.Tensor], directory: Path, n: int = 2) -> None:
+    """``state`` (HF names) as ``n`` safetensors shards listed by ``model.safetensors.index.json``."""
+    names = sorted(state)
+    shards = {f"model-{i + 1:05d}-of-{n:05d}.safetensors": names[i::n] for i in range(n)}
+    for file, keys in shards.items():
+        safetensors.torch.save_file({k: state[k].contiguous() for k in keys}, directory / file)
+    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (directory / hf.WEIGHTS_INDEX_FILE).write_text(json.dumps(index))
+
+
 def write_checkpoints(root: Path) -> list[tuple[str, Path, Any]]:
     """Per family: a hub checkpoint in bf16; MoE families also a transformers-5 fused fp32 one, index-sharded."""
     out = []
@@ -118,12 +128,7 @@ def write_checkpoints(root: Path) -> list[tuple[str, Path, Any]]:
             fused = root / f"{family.name}_fused"
             fused.mkdir()
             (fused / hf.CONFIG_FILE).write_text((hub / hf.CONFIG_FILE).read_text())
-            names = sorted(state)
-            shards = {f"model-{i:05d}-of-00002.safetensors": names[i::2] for i in range(2)}
-            for file, keys in shards.items():
-                safetensors.torch.save_file({k: state[k].contiguous() for k in keys}, fused / file)
-            index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
-            (fused / hf.WEIGHTS_INDEX_FILE).write_text(json.dumps(index))
+            write_index_sharded(state, fused)
             out.append((f"{family.name}_fused", fused, torch.bfloat16))
     return out
 
