@@ -35,11 +35,11 @@ __all__ = ["IDENTITY", "RunDir", "RunDirError", "load_run"]
 CONFIG_FILE = "config.json"
 # what a run trains and on what: a run directory holds one such run (--resume may change the rest:
 # steps, intervals, optimizer, parallel layout, device, precision, compile)
-IDENTITY = ("model", "data", "seed", "init")
+IDENTITY = ("model", "data", "seed", "init", "lora")
 # what `ftitan train` writes into a run directory, all of which --overwrite deletes (nothing else)
 WRITTEN = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "train_tokens.npy", "eval_tokens.npy",
            "tokenizer.json", "tokenizer_size.json", "tokenizer_config.json", "special_tokens_map.json",
-           "generation_config.json", CONFIG_FILE)  # fmt: skip
+           "generation_config.json", "chat_template.jinja", CONFIG_FILE)  # fmt: skip
 
 
 class RunDirError(ValueError):
@@ -204,17 +204,18 @@ def load_run(run_dir: str | Path, *, device: Any = None) -> tuple[TrainConfig, A
     ``device``: where the params go (default: the CPU). ``tokenizer`` is ``None`` for a run converted
     from an HF directory that had no tokenizer files.
     """
-    from ftitan import optim, random
+    from ftitan import random
     from ftitan.data import pipeline
-    from ftitan.models import registry
+    from ftitan.train import post
     from ftitan.train.state import init_state
 
     run = RunDir(run_dir)
     newest, cfg = newest_of_run(run)
-    model = registry.model_for(cfg.model)
+    model = post.model_of(cfg)  # a LoRA run: {"base", "lora"} params (ftitan.models.lora.merge for the base's)
     params = model.init(random.key(cfg.seed), device="meta")  # the structure to restore into
-    opt = optim.from_config(cfg.optim, cfg.steps, params, frozen=model.frozen)
-    whole = {"state": init_state(params, opt), "loader": pipeline.loader_state_like(cfg)}
+    opt = post.optimizer_of(cfg, model, params)
+    whole = {"state": init_state(params, opt, trainable=post.trainable_of(cfg)),
+             "loader": pipeline.loader_state_like(cfg)}  # fmt: skip
     # only the params are read (not the optimizer state), each leaf from whatever ranks wrote it
     restored, manifest = load(newest, {"state": {"params": params}}, whole=whole)
     params = restored["state"]["params"]

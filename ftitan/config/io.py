@@ -13,7 +13,9 @@ import attrs
 from ftitan.config.schema import (
     CheckpointConfig,
     DataConfig,
+    DPOConfig,
     InitConfig,
+    LoRAConfig,
     MixedPrecisionConfig,
     OptimConfig,
     ParallelConfig,
@@ -24,7 +26,8 @@ from ftitan.models import registry
 __all__ = ["config_from_dict", "config_to_dict"]
 
 _SECTIONS = {"optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig,
-             "mixed_precision": MixedPrecisionConfig, "init": InitConfig, "checkpoint": CheckpointConfig}  # fmt: skip
+             "mixed_precision": MixedPrecisionConfig, "init": InitConfig, "checkpoint": CheckpointConfig,
+             "lora": LoRAConfig, "dpo": DPOConfig}  # fmt: skip
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from ftitan.config.schema import DataConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, TrainConfig
-from ftitan.config.transforms import compose, with_layers, with_vocab
+from ftitan.config.transforms import compose, with_dim, with_layers, with_max_seq_len, with_vocab
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
 __all__ = [
@@ -184,3 +184,35 @@ def deepseek_v3_debug_ep() -> TrainConfig:
     ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe deepseek-v3-debug-ep``
     """
     return attrs.evolve(deepseek_v3_debug(), parallel=ParallelConfig(ep=2, dp_shard=2), compile=False)
+
+
+@recipe("sft")
+def sft() -> TrainConfig:
+    """Chat SFT of a published checkpoint: ``ftitan train --recipe sft --init.hf DIR --data.chat FILE.jsonl``
+    (add ``--lora.rank 16`` for LoRA). The model, tokenizer and chat template come from DIR; the loss is
+    the mean over assistant tokens of packed conversations. AdamW at a fine-tuning lr, no weight decay,
+    a short warmup, cosine to 10%."""
+    return attrs.evolve(
+        llama3_debug(),
+        optim=OptimConfig(name="adamw", lr=2e-5, warmup=10, schedule="cosine", weight_decay=0.0),
+        data=DataConfig(chat="task:addition", vocab_size=2048, seq_len=512, batch_size=8),
+        steps=200, eval_every=50, eval_batches=4, ckpt_every=100,
+    )  # fmt: skip
+
+
+@recipe("dpo-debug")
+def dpo_debug() -> TrainConfig:
+    """DPO on a synthetic preference set made locally (``task:format``: an answer in the house style,
+    "The answer is 95.", preferred to "95, i think"), from scratch on a tiny Llama with its own BPE:
+    ``rewards/accuracy`` reaches 1 within 10 steps. ``--data.preference task:arith`` (the right sum over a
+    near miss) needs a model that can add. For a real run: ``--recipe sft --init.hf DIR --data.chat ""
+    --data.preference FILE``."""
+    model = compose(with_layers(2), with_vocab(512), with_dim(128, ffn_dim=384), with_max_seq_len(64))(
+        llama.Config.debug())
+    return TrainConfig(
+        recipe="dpo-debug",
+        model=model,
+        optim=OptimConfig(name="adamw", lr=1e-3, warmup=5, schedule="cosine", weight_decay=0.0),
+        data=DataConfig(preference="task:format", vocab_size=512, seq_len=32, batch_size=16),
+        steps=60, eval_every=20, eval_batches=2, ckpt_every=60, log_every=5,
+    )  # fmt: skip

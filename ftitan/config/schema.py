@@ -14,8 +14,8 @@ import tyro
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 from ftitan.parallel.dims import ParallelDims
 
-__all__ = ["CheckpointConfig", "DataConfig", "InitConfig", "MixedPrecisionConfig", "ModelConfig", "OptimConfig",
-           "ParallelConfig", "TrainConfig"]  # fmt: skip
+__all__ = ["CheckpointConfig", "DPOConfig", "DataConfig", "InitConfig", "LoRAConfig", "MixedPrecisionConfig",
+           "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]  # fmt: skip
 
 # every trainable family's config; a recipe picks one and its fields become --model.* flags
 # (named for tyro, whose default names would collide: every family's class is called Config)
@@ -54,6 +54,10 @@ class DataConfig:
     tokenizer: str = ""  # an HF tokenizer directory (tokenizer.json) to use instead of training a BPE
     seq_len: int = 256  # tokens per training row
     batch_size: int = 16  # rows per optimizer step
+    chat: str = ""  # SFT: a .jsonl of conversations ({"messages": [...]} or {"prompt", "completion"}), or "task:NAME" (a synthetic task made locally, ftitan.data.tasks); trains on assistant tokens, packed rows
+    preference: str = ""  # DPO: a .jsonl of {"prompt", "chosen", "rejected"} (or chosen/rejected conversations), or "task:NAME"
+    truncate: bool = False  # SFT/DPO: cut a conversation longer than seq_len + 1 tokens (counted: data.truncated) instead of refusing it
+    task_eval_items: int = 200  # --data.chat task:NAME: held-out items whose greedy answers are scored (exact match) at each evaluation
 
 
 @attrs.frozen(kw_only=True)
@@ -99,6 +103,25 @@ class InitConfig:
 
 
 @attrs.frozen(kw_only=True)
+class LoRAConfig:
+    """LoRA adapters (Hu et al. 2021): train low-rank updates of the projections, the base frozen."""
+
+    rank: int = 0  # adapter rank (0: full fine-tuning, every weight trained)
+    alpha: float = 0.0  # the update is scaled by alpha / rank (0: alpha = 2 * rank)
+    targets: str = ""  # comma-separated globs of the adapted weights ("": the family's attention and MLP projections)
+
+
+@attrs.frozen(kw_only=True)
+class DPOConfig:
+    """Direct preference optimization (Rafailov et al. 2023), for --data.preference."""
+
+    beta: float = 0.1  # strength of the KL anchor to the reference model
+    loss_type: str = "sigmoid"  # "sigmoid" (DPO) or "ipo" (Azar et al. 2023)
+    label_smoothing: float = 0.0  # conservative DPO: the share of preference labels assumed flipped (sigmoid only)
+    reference_free: bool = False  # no reference model: its log-probs taken as 0
+
+
+@attrs.frozen(kw_only=True)
 class CheckpointConfig:
     """How checkpoints are written (how often and how many: --ckpt-every, --keep)."""
 
@@ -119,6 +142,8 @@ class TrainConfig:
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     init: InitConfig = InitConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    lora: LoRAConfig = LoRAConfig()
+    dpo: DPOConfig = DPOConfig()
     device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda" (under torchrun: cuda:LOCAL_RANK)
     steps: int = 400  # optimizer steps in total
     accum_steps: int = 1  # micro-batches per step (batch_size must divide by it)

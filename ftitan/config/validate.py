@@ -242,6 +242,48 @@ def _check_cross(cfg: TrainConfig) -> None:
         )  # fmt: skip
 
 
+DPO_LOSSES: tuple[str, ...] = ("sigmoid", "ipo")  # --dpo.loss-type (ftitan.train.dpo)
+
+
+def _check_post_training(cfg: TrainConfig) -> None:
+    """SFT (--data.chat), DPO (--data.preference), LoRA (--lora.*)."""
+    d, lo, dpo, p = cfg.data, cfg.lora, cfg.dpo, cfg.parallel
+    if d.chat and d.preference:
+        raise _fail("--data.preference", d.preference, "one objective a run: --data.chat (SFT) or --data.preference "
+                    "(DPO); drop one")  # fmt: skip
+    post = "--data.chat" if d.chat else "--data.preference" if d.preference else ""
+    if post and d.corpus != "stdlib":
+        raise _fail("--data.corpus", d.corpus, f"{post} is this run's data; drop --data.corpus")
+    if post and p.pp > 1:
+        raise _fail("--parallel.pp", p.pp, f"{post}: packed conversations do not run through pipeline stages yet; "
+                    "use --parallel.pp 1 (dp, tp, cp and ep split them)")  # fmt: skip
+    for flag, spec in (("--data.chat", d.chat), ("--data.preference", d.preference)):
+        if spec and not spec.startswith("task:") and not Path(spec).is_file():
+            raise _fail(flag, spec, "no such file; pass a .jsonl file, or task:NAME for a synthetic task")
+    if d.task_eval_items < 0:
+        raise _fail("--data.task-eval-items", d.task_eval_items, "must be >= 0 (0: no exact-match evaluation)")
+    if not isinstance(lo.rank, int) or lo.rank < 0:
+        raise _fail("--lora.rank", lo.rank, "must be an int >= 0 (0: full fine-tuning)")
+    if lo.alpha < 0:
+        raise _fail("--lora.alpha", lo.alpha, "must be >= 0 (0: 2 * rank)")
+    if lo.rank and p.world_size > 1:
+        raise _fail("--lora.rank", lo.rank, "LoRA runs on one process for now; drop the --parallel.* degrees (or "
+                    "fine-tune every weight: --lora.rank 0)")  # fmt: skip
+    if lo.rank and p.pp > 1:
+        raise _fail("--lora.rank", lo.rank, "LoRA does not run through pipeline stages; use --parallel.pp 1")
+    if d.preference and p.world_size > 1:
+        raise _fail("--data.preference", d.preference, "DPO runs on one process for now; drop the --parallel.* "
+                    "degrees")  # fmt: skip
+    if dpo.loss_type not in DPO_LOSSES:
+        raise _fail("--dpo.loss-type", dpo.loss_type, f"expected one of {DPO_LOSSES}")
+    if dpo.beta <= 0:
+        raise _fail("--dpo.beta", dpo.beta, "must be > 0")
+    if not 0 <= dpo.label_smoothing < 0.5:
+        raise _fail("--dpo.label-smoothing", dpo.label_smoothing, "must be in [0, 0.5)")
+    if dpo.label_smoothing and dpo.loss_type == "ipo":
+        raise _fail("--dpo.label-smoothing", dpo.label_smoothing, "applies to --dpo.loss-type sigmoid only")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check a run; return it unchanged, or raise ``ValueError("--flag=value: fix")``."""
     _check_finite(cfg)
@@ -251,6 +293,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_optim(cfg)
     _check_data(cfg)
     _check_parallel(cfg)
+    _check_post_training(cfg)
     _check_checkpoint(cfg)
     _check_cross(cfg)
     _check_run_dir(cfg)

@@ -45,9 +45,22 @@ from ftitan.data.loader import (
     init_loader_state,
     next_batch,
 )
-from ftitan.data.packing import encode_documents, pack, token_stream
+from ftitan.data.packing import PackedRows, encode_documents, pack, pack_documents, token_stream
+from ftitan.data.preference import (
+    PreferencePair,
+    PreferenceRecord,
+    collate_preferences,
+    encode_preference,
+    encode_preferences,
+    parse_preference,
+    parse_preferences,
+    preference_batches,
+    read_preferences,
+    synthetic_preferences,
+)
 from ftitan.data.prefetch import Prefetcher, loader_throughput, prefetch
 from ftitan.data.pretrained import pretrained_tokenizer
+from ftitan.data.sft import ChatData, chat_conversations, prepare_chat
 from ftitan.data.sources import Source, shards
 from ftitan.data.stream import (
     Stream,
@@ -57,12 +70,16 @@ from ftitan.data.stream import (
     merge_states,
     stream_batches,
 )
+from ftitan.data.tasks import exact_match, parse_answer, task_items, write_task_jsonl
 from ftitan.data.tokenizer import EOS, Tokenizer, load_tokenizer, tokenizer_for, train_tokenizer
 
 __all__ = [
     "BUILTIN_TEMPLATE",
     "ChatTemplate",
     "ChatTokens",
+    "ChatData",
+    "chat_conversations",
+    "prepare_chat",
     "Conversation",
     "chat_examples",
     "encode_chat",
@@ -81,6 +98,7 @@ __all__ = [
     "encode_documents",
     "epoch_order",
     "eval_batches",
+    "exact_match",
     "gather_state",
     "held_out_batches",
     "init_loader_state",
@@ -91,7 +109,20 @@ __all__ = [
     "merge_states",
     "next_batch",
     "pack",
+    "pack_documents",
+    "parse_answer",
+    "PackedRows",
     "prefetch",
+    "PreferencePair",
+    "PreferenceRecord",
+    "collate_preferences",
+    "encode_preference",
+    "encode_preferences",
+    "parse_preference",
+    "parse_preferences",
+    "preference_batches",
+    "read_preferences",
+    "synthetic_preferences",
     "pretrained_tokenizer",
     "shards",
     "stdlib_corpus",
@@ -99,6 +130,8 @@ __all__ = [
     "stream_batches",
     "text_files",
     "token_stream",
+    "task_items",
     "tokenizer_for",
     "train_tokenizer",
+    "write_task_jsonl",
 ]

@@ -314,7 +314,8 @@ def encode_chat(messages: Sequence[dict[str, str]], template: ChatTemplate, toke
     if truncated and not truncate:
         raise ValueError(
             f"{where}: the conversation is {len(ids)} tokens, longer than seq_len={seq_len}; "
-            f"raise seq_len, shorten or drop it, or pass truncate=True to keep its first {seq_len}"
+            f"raise seq_len, shorten or drop it, or pass truncate=True (ftitan train: --data.truncate True) to keep its "
+            f"first {seq_len}"
         )
     ids, mask = ids[:seq_len], mask[:seq_len]
     return ChatTokens(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.int64), truncated, where)

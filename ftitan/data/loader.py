@@ -42,17 +42,23 @@ Batch = dict[str, torch.Tensor]
 
 
 class PackedDataset(NamedTuple):
-    """Packed token rows, ``(num_rows, seq_len + 1)`` int32 or int64 (see :func:`ftitan.data.pack`)."""
+    """Packed token rows: ``(num_rows, seq_len + 1)`` int32 or int64 (see :func:`ftitan.data.pack`), or
+    ready batch fields ``{"inputs", "targets", ...}`` of ``(num_rows, seq_len)`` each (packed documents,
+    :func:`ftitan.data.pack_documents`; preference pairs), served as they are."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | dict[str, torch.Tensor]
 
     @property
     def num_rows(self) -> int:
-        return self.rows.shape[0]
+        return _first(self.rows).shape[0]
 
     @property
     def seq_len(self) -> int:
-        return self.rows.shape[1] - 1
+        return _first(self.rows).shape[1] - (0 if isinstance(self.rows, dict) else 1)
+
+
+def _first(rows: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+    return next(iter(rows.values())) if isinstance(rows, dict) else rows
 
 
 class LoaderState(NamedTuple):
@@ -90,7 +96,8 @@ def epoch_order(key: torch.Tensor, epoch: int, num_rows: int) -> torch.Tensor:
 def next_batch(dataset: PackedDataset, state: LoaderState, batch_size: int) -> tuple[Batch, LoaderState]:
     """The next ``batch_size`` rows as ``{"inputs": (B, T), "targets": (B, T)}`` int64, and the new state.
 
-    ``T = dataset.seq_len``; ``targets`` is ``inputs`` shifted left by one token.
+    ``T = dataset.seq_len``; ``targets`` is ``inputs`` shifted left by one token (rows of batch fields:
+    each field's rows, e.g. packed documents' ``positions`` and ``segments`` too).
     """
     n = dataset.num_rows
     if batch_size < 1:
@@ -111,13 +118,19 @@ def next_batch(dataset: PackedDataset, state: LoaderState, batch_size: int) -> t
         position += take
         if position == n:
             epoch, position = epoch + 1, 0
-    batch = _as_batch(dataset.rows[torch.cat(picks)])
+    batch = _take(dataset.rows, torch.cat(picks))
     new_state = LoaderState(
         key=state.key,
         epoch=torch.tensor(epoch, dtype=torch.int64),
         position=torch.tensor(position, dtype=torch.int64),
     )
     return batch, new_state
+
+
+def _take(rows: torch.Tensor | dict[str, torch.Tensor], index: torch.Tensor | slice) -> Batch:
+    if isinstance(rows, dict):  # batch fields already
+        return {k: v[index].long() for k, v in rows.items()}
+    return _as_batch(rows[index])
 
 
 def _as_batch(rows: torch.Tensor) -> Batch:
@@ -130,4 +143,4 @@ def eval_batches(dataset: PackedDataset, batch_size: int) -> Iterator[Batch]:
     if batch_size < 1:
         raise ValueError(f"eval_batches: batch_size must be >= 1, got {batch_size}")
     for start in range(0, dataset.num_rows, batch_size):
-        yield _as_batch(dataset.rows[start : start + batch_size])
+        yield _take(dataset.rows, slice(start, start + batch_size))

@@ -17,21 +17,29 @@ the tests check::
 
 Attention is not masked at document boundaries; the EOS tells the model a new
 document starts, as in GPT-2 and nanoGPT.
+
+Fine-tuning data is packed the other way (:func:`pack_documents`): whole
+documents (chat conversations with a loss mask) placed into rows of
+``seq_len`` tokens, never split, each row carrying the document id of every
+token (``segments``) and positions restarting at each document, so that the
+model attends block-diagonally and a packed document computes exactly what
+it computes alone.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ftitan.data.tokenizer import Tokenizer
 
-__all__ = ["encode_documents", "pack", "token_stream"]
+__all__ = ["PackedRows", "encode_documents", "pack", "pack_documents", "token_stream"]
 
 _ENCODE_CHUNK = 256  # documents per encode_batch call: bounded memory, still parallel
 
@@ -104,3 +112,77 @@ def pack(stream: np.ndarray | torch.Tensor, *, seq_len: int) -> torch.Tensor:
         raise ValueError(f"pack: a stream of {flat.numel()} tokens is shorter than one row "
                          f"of seq_len + 1 = {row}; use more data or a smaller seq_len")
     return flat[: num_rows * row].view(num_rows, row)
+
+
+IGNORE_INDEX = -100  # ftitan.train.losses.IGNORE_INDEX (not imported: ftitan.train imports ftitan.data)
+
+
+class PackedRows(NamedTuple):
+    """Documents packed into rows: ``batch`` ``{"inputs", "targets", "positions", "segments"}``, each
+    ``(N, seq_len)`` int64, and ``placement[i] = (row, start)`` of document ``i``'s first token."""
+
+    batch: dict[str, torch.Tensor]
+    placement: list[tuple[int, int]]
+
+    @property
+    def fill(self) -> float:
+        """The share of the rows' slots that hold document tokens (not padding)."""
+        seg = self.batch["segments"]
+        return float((seg != _PAD_SEGMENT).sum()) / max(seg.numel(), 1)
+
+
+_PAD_SEGMENT = 1 << 30  # the padding's document id: above any real one, so padding never meets a document
+
+
+def pack_documents(docs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, seq_len: int, pad_id: int = 0) -> PackedRows:
+    """Pack ``(ids, mask)`` documents (``(n,)`` int each; ``mask`` 1 where the token is trained on,
+    e.g. :class:`ftitan.data.ChatTokens`) whole into rows of ``seq_len`` tokens.
+
+    A document of ``n`` tokens takes ``n - 1`` slots: ``inputs = ids[:-1]`` and ``targets =
+    ids[1:]`` where ``mask[1:]`` is 1, ``IGNORE_INDEX`` elsewhere. Each goes to the first row with
+    room (first fit, in order: deterministic, rows fill to ~95% for short documents); rows are
+    right-padded (``pad_id``, ``IGNORE_INDEX`` targets, a padding segment of its own). ``segments``
+    numbers the documents of a row ``0, 1, ...``; ``positions`` restart at 0 with each. A document
+    longer than ``seq_len + 1`` tokens raises (truncate it when encoding: ``encode_chat(...,
+    seq_len=seq_len + 1, truncate=True)``).
+    """
+    if seq_len < 1:
+        raise ValueError(f"pack_documents: seq_len must be >= 1, got {seq_len}")
+    rows: list[list[int]] = []  # per row: the indices of its documents
+    room: list[int] = []
+    placement: list[tuple[int, int]] = []
+    for i, (ids, mask) in enumerate(docs):
+        n = int(ids.shape[0]) - 1
+        if ids.dim() != 1 or mask.shape != ids.shape:
+            raise ValueError(f"pack_documents: document {i}: ids {tuple(ids.shape)} and mask {tuple(mask.shape)} "
+                             "must be the same (n,) shape")  # fmt: skip
+        if n > seq_len:
+            raise ValueError(f"pack_documents: document {i} has {n + 1} tokens, more than seq_len + 1 = {seq_len + 1}; "
+                             "truncate it when encoding or raise seq_len")  # fmt: skip
+        r = next((j for j, free in enumerate(room) if free >= n), None) if n > 0 else None
+        if r is None:
+            rows.append([])
+            room.append(seq_len)
+            r = len(rows) - 1
+        placement.append((r, seq_len - room[r]))
+        rows[r].append(i)
+        room[r] -= n
+    shape = (len(rows), seq_len)
+    out = {
+        "inputs": torch.full(shape, pad_id, dtype=torch.int64),
+        "targets": torch.full(shape, IGNORE_INDEX, dtype=torch.int64),
+        "positions": torch.zeros(shape, dtype=torch.int64),
+        "segments": torch.full(shape, _PAD_SEGMENT, dtype=torch.int64),
+    }
+    for r, members in enumerate(rows):
+        for seg, i in enumerate(members):
+            ids, mask = (torch.as_tensor(x, dtype=torch.int64) for x in docs[i])
+            n, start = ids.shape[0] - 1, placement[i][1]
+            span = slice(start, start + n)
+            out["inputs"][r, span] = ids[:-1]
+            out["targets"][r, span] = torch.where(mask[1:].bool(), ids[1:], IGNORE_INDEX)
+            out["positions"][r, span] = torch.arange(n)
+            out["segments"][r, span] = seg
+        used = seq_len - room[r]
+        out["positions"][r, used:] = torch.arange(seq_len - used)  # padding: a document of its own
+    return PackedRows(out, placement)

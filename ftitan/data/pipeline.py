@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from ftitan.data import sft
+from ftitan.data.chat import ChatTemplate
 from ftitan.data.corpus import stdlib_corpus
 from ftitan.data.heldout import held_out_batches
 from ftitan.data.loader import Batch, LoaderState, PackedDataset, eval_batches, init_loader_state, next_batch
@@ -48,11 +50,14 @@ PREFETCH_DEPTH = 2  # batches tokenized ahead of the step
 
 
 class RunData(NamedTuple):
-    """A run's tokenizer and its data: packed train / held-out rows (stdlib), or a streamed ``Source``."""
+    """A run's tokenizer and its data: packed train / held-out rows (stdlib, chat), or a streamed ``Source``;
+    for chat data also its template and counts (``data.truncated``, ...) for the metrics."""
 
     tokenizer: Tokenizer
     train: PackedDataset | Source
     eval: PackedDataset | Source
+    stats: dict[str, float] = {}  # noqa: RUF012  (a NamedTuple default: never mutated)
+    template: ChatTemplate | None = None
 
 
 def _streamed(cfg: TrainConfig) -> bool:
@@ -74,6 +79,8 @@ def prepare(cfg: TrainConfig, run_dir: str | Path, *, write: bool = True) -> Run
 
     ``write=False`` (the ranks after the first, once it has prepared): read what it cached, write nothing."""
     run_dir = Path(run_dir)
+    if cfg.data.chat or cfg.data.preference:
+        return _prepare_chat(cfg, run_dir, write=write)
     if _streamed(cfg):
         src = shards(cfg.data.corpus, field=cfg.data.jsonl_field)
         tok = _tokenizer(cfg, run_dir, lambda: itertools.islice(src.documents(), BPE_TRAINING_DOCS),
@@ -89,6 +96,18 @@ def prepare(cfg: TrainConfig, run_dir: str | Path, *, write: bool = True) -> Run
                              "use a larger corpus or a smaller --data.seq-len")  # fmt: skip
         sets.append(PackedDataset(rows.long()))
     return RunData(tok, sets[0], sets[1])
+
+
+def _prepare_chat(cfg: TrainConfig, run_dir: Path, *, write: bool) -> RunData:
+    """SFT rows or DPO pairs (:mod:`ftitan.data.sft`); a run that trains its own tokenizer trains it on the
+    rendered conversations and keeps the built-in template beside it (``chat_template.jinja``, exported by
+    convert)."""
+    template = sft.chat_template_of(cfg, run_dir)
+    tok = _tokenizer(cfg, run_dir, lambda: sft.rendered_texts(cfg, template), write=write)
+    if write and not cfg.data.tokenizer:
+        (run_dir / sft.TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    chat = (sft.prepare_preferences if cfg.data.preference else sft.prepare_chat)(cfg, tok, template)
+    return RunData(tok, chat.train, chat.eval, chat.stats, template)
 
 
 def run_tokenizer(cfg: TrainConfig, run_dir: str | Path) -> Tokenizer | None:

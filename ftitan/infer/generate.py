@@ -20,6 +20,7 @@ import torch
 from ftitan import random
 from ftitan.infer.cache import init_cache
 from ftitan.infer.fuse import fuse_projections
+from ftitan.models import lora
 from ftitan.infer.sampling import GREEDY, Sampling, sample
 from ftitan.infer.step import (
     DecodeFn,
@@ -163,6 +164,8 @@ def generate(
                       f"{longest + max_new_tokens} positions, more than the model's max_seq_len={limit} (positions "
                       f"it was never trained on); shorten the prompt or lower max_new_tokens", stacklevel=3)  # fmt: skip
     stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    if isinstance(model.config, lora.Config):  # a LoRA model: decode the merged weights
+        model, params = lora.merged_model(model, params)
     params = fuse_projections(params) if fuse else params
     tokens, lengths = _pad(prompts, padding, params["embed"].device)
     cache = init_cache(model, params, batch=len(prompts), slots=slots_for(tokens.shape[1] + max_new_tokens))

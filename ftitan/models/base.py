@@ -51,6 +51,7 @@ class ApplyFn(Protocol):
         *,
         positions: torch.Tensor | None = ...,  # (T,) | (B, T) int; default arange(T)
         cache: Any = ...,
+        segments: torch.Tensor | None = ...,  # (B, T) int document ids of packed rows
         logits: bool = ...,
     ) -> tuple[torch.Tensor, Any]: ...
 
@@ -71,6 +72,7 @@ class ApplyAuxFn(Protocol):
         *,
         positions: torch.Tensor | None = ...,
         cache: Any = ...,
+        segments: torch.Tensor | None = ...,
         logits: bool = ...,
     ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]: ...
 
@@ -118,6 +120,7 @@ class StageFn(Protocol):
         last: bool,
         positions: torch.Tensor | None = ...,  # (T,) | (B, T) int; default arange(T)
         cache: AttentionCache | None = ...,
+        segments: torch.Tensor | None = ...,  # (B, T) int document ids of packed rows
     ) -> StageOut: ...  # h (B, T, D), stats, cache
 
 
@@ -145,7 +148,12 @@ class Model(NamedTuple):
       RoPE; with a ``cache`` (:class:`AttentionCache`: ``ftitan.infer``'s
       KV cache, vLLM's paged attention) every layer attends through it
       instead of causally over ``tokens`` alone, and the returned cache
-      holds the new keys/values.
+      holds the new keys/values. ``segments`` ``(B, T)`` int (packed rows,
+      no cache): the document id of each token; attention is
+      block-diagonal causal (a token sees only the earlier tokens of its
+      own document) and positions default to restarting at each document,
+      so each document computes what it would alone
+      (``ftitan.data.pack_documents`` builds such rows).
     - ``head(params) -> (V, D)``: weight of the output projection (the
       embedding table when tied); inside a tensor-parallel step, this
       rank's ``(V / tp, D)`` vocab slice (``ftitan.train.losses.cross_entropy``

@@ -8,6 +8,7 @@ scaling, attention FLOPs, and the non-layer HF names.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -156,12 +157,25 @@ def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Tensor:  # (B, 
     return par.row_output(nn.swiglu(par.column_input(x), **p))
 
 
-def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str) -> torch.Tensor:
-    """Checks ``tokens`` is (B, T); ``positions`` as given, default ``arange(T)``: (T,) | (B, T)."""
+def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str,
+                  segments: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Checks ``tokens`` is (B, T); ``positions`` as given, default ``arange(T)``, or with ``segments``
+    (packed documents) positions restarting at each document: (T,) | (B, T)."""
     if tokens.dim() != 2:
         raise ValueError(f"{family}.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
+    if segments is not None and segments.shape != tokens.shape:
+        raise ValueError(f"{family}.apply: segments {tuple(segments.shape)} must have the tokens' shape "
+                         f"{tuple(tokens.shape)}")  # fmt: skip
+    if positions is not None:
+        return positions
+    if segments is not None:
+        layout = current()
+        if layout is not None and layout.sizes["cp"] > 1:  # a rank holds head-tail chunks: restarts are not local
+            raise ValueError(f"{family}.apply: segments under context parallelism need explicit positions "
+                             "(each document's positions, split with the tokens)")  # fmt: skip
+        return nn.document_positions(segments)
     # under context parallelism a rank's tokens are head-tail chunks of the sequence
-    return par.local_positions(tokens.shape[1], device=tokens.device) if positions is None else positions
+    return par.local_positions(tokens.shape[1], device=tokens.device)
 
 
 def rope(
@@ -216,22 +230,32 @@ def stage_positions(
     *,
     first: bool,
     family: str,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids (packed rows)
 ) -> torch.Tensor:  # (T,) | (B, T) int
     """Positions of a pipeline stage's input: those of the tokens on the first stage, of the hidden
-    states (whose sequence may be split over tp) on a later one; ``positions`` when given."""
-    return positions_for(x, positions, family=family) if first else _hidden_positions(x, positions)
+    states (whose sequence may be split over tp) on a later one; ``positions`` when given, else
+    restarting at each document of ``segments``."""
+    if first:
+        return positions_for(x, positions, family=family, segments=segments)
+    if positions is None and segments is not None:
+        return nn.document_positions(segments)
+    return _hidden_positions(x, positions)
 
 
 # (layer index, its params, residual stream (B, T, D), its attention op) -> (residual stream, router stats or None)
 Block = Callable[[int, Mapping[str, Any], torch.Tensor, Attend], tuple[torch.Tensor, Any]]
 
 
-def layer_attention(cache: Any, layer: int) -> tuple[Attend, Callable[[], Any]]:
+def layer_attention(cache: Any, layer: int, segments: torch.Tensor | None = None) -> tuple[Attend, Callable[[], Any]]:
     """Layer ``layer``'s attention op over ``cache`` (``base.AttentionCache``), and a getter of the
     cache after that layer wrote its keys/values; without a cache, causal attention over the
-    block's own tokens (``parallel.activations.attention``)."""
+    block's own tokens (``parallel.activations.attention``), within each document of ``segments``."""
     if cache is None:
-        return par.attention, lambda: None
+        if segments is None:
+            return par.attention, lambda: None
+        return functools.partial(par.attention, segments=segments), lambda: None
+    if segments is not None:
+        raise ValueError("apply: segments (packed documents) with a KV cache; decode one document per row")
     state = [cache]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -251,6 +275,7 @@ def run_stage(
     first: bool,
     last: bool,
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids: attention stays within a document
 ) -> StageOut:  # h (B, T, D), {layer: router stats}, cache
     """Embed (``first``), ``block`` over ``layers`` in order, final norm (``last``): the layer loop every
     family's ``stage`` (and so its ``apply``) runs. The last stage's output is whole on every tp rank
@@ -260,7 +285,7 @@ def run_stage(
     h = par.embed(x, params["embed"]) if first else x
     stats = {}
     for i in layers:  # explicit order: dict/optree order would put "10" before "2"
-        attend, written = layer_attention(cache, i)
+        attend, written = layer_attention(cache, i, segments)
         h, s = block(i, params["layers"][str(i)], h, attend)
         cache = written()
         if s is not None:
@@ -279,19 +304,20 @@ def dense_stage(
     last: bool,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids (packed rows)
     family: str,
     scaling: nn.RopeScaling | None = None,
 ) -> StageOut:  # h (B, T, D): residual stream, or final-normed hidden if last; stats {}; cache
     """One pipeline stage of the pre-norm decoder (:func:`run_stage`): ``h += attn(rms_norm(h))``,
     ``h += swiglu(rms_norm(h))``. Stages over consecutive ranges of ``range(n_layers)`` compose to
     ``apply(..., logits=False)`` exactly."""
-    cos, sin = rope(cfg, stage_positions(x, positions, first=first, family=family), scaling=scaling)
+    cos, sin = rope(cfg, stage_positions(x, positions, first=first, family=family, segments=segments), scaling=scaling)
 
     def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, None]:
         h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin, attend=attend)
         return h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"]), None
 
-    return run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache)
+    return run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache, segments=segments)
 
 
 def dense_forward(
@@ -301,6 +327,7 @@ def dense_forward(
     *,
     positions: torch.Tensor | None,  # (T,) | (B, T) int; default arange(T)
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids (packed rows)
     logits: bool,
     family: str,
     scaling: nn.RopeScaling | None = None,
@@ -309,7 +336,7 @@ def dense_forward(
     (one :func:`dense_stage` over all layers); attention through ``cache`` when given."""
     every = range(cfg.n_layers)
     h, _, cache = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions,
-                              cache=cache, family=family, scaling=scaling)  # fmt: skip
+                              cache=cache, segments=segments, family=family, scaling=scaling)  # fmt: skip
     return (logits_of(h, output_head(cfg, params)) if logits else h), cache
 
 

@@ -332,10 +332,12 @@ def _stage(
     last: bool,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (None: one document a row)
 ) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}, cache
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
-    cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3"), mla_cfg)
+    cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3",
+                                                           segments=segments), mla_cfg)  # fmt: skip
 
     # the parallel seams (decoder.norm/mlp, expert.moe, _attention) are the single-process ops without a layout
     def block(i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
@@ -346,7 +348,8 @@ def _stage(
         y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
         return h + y, stats
 
-    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache)
+    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
+                             segments=segments)  # fmt: skip
 
 
 def _apply_with_aux(
@@ -358,10 +361,11 @@ def _apply_with_aux(
     *,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (None: one document a row)
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True,
-                             last=True, positions=positions, cache=cache)  # fmt: skip
+                             last=True, positions=positions, cache=cache, segments=segments)  # fmt: skip
     out = decoder.logits_of(h, _head(params)) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 

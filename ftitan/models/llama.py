@@ -204,11 +204,11 @@ def _apply(
     *,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (None: one document a row)
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any]:  # (B, T, V) logits | (B, T, D) hidden; cache
-    return decoder.dense_forward(
-        cfg, params, tokens, positions=positions, cache=cache, logits=logits, family="llama", scaling=cfg.rope_scaling
-    )
+    return decoder.dense_forward(cfg, params, tokens, positions=positions, cache=cache, segments=segments,
+                                 logits=logits, family="llama", scaling=cfg.rope_scaling)  # fmt: skip
 
 
 def model(cfg: Config) -> Model:

@@ -44,7 +44,8 @@ import torch
 from ftitan import random, tree
 from ftitan.models.base import Model
 
-__all__ = ["DEFAULT_TARGETS", "TRAINABLE", "Config", "add_adapters", "load_peft", "lora", "merge", "save_peft"]
+__all__ = ["DEFAULT_TARGETS", "TRAINABLE", "Config", "add_adapters", "load_peft", "lora", "merge", "merged_model",
+           "save_peft"]  # fmt: skip
 
 # attention and dense-MLP projections of every family: Llama / Qwen3 wq wk wv wo, w1 w2 w3; DeepSeek-V3's
 # MLA wq (or wq_a, wq_b), wkv_a, wkv_b, wo. Only 2-D leaves are taken (norms are 1-D); routed experts
@@ -66,6 +67,14 @@ class Config:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def vocab_size(self) -> int:  # the base's sizes that generation and the trainer read
+        return self.base.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.base.max_seq_len
 
 
 def _targets(model: Model, targets: Sequence[str], explicit: bool) -> tuple[str, ...]:
@@ -129,6 +138,14 @@ def merge(params: Mapping[str, Any], *, scale: float) -> Any:
     """Base-shaped params ``W + scale * B @ A`` for every adapted ``W`` (``scale = lm.config.scale``),
     for export (``save_hf``) or generation with the base model."""
     return _merged(params["base"], params["lora"], scale)
+
+
+def merged_model(lm: Model, params: Mapping[str, Any]) -> tuple[Model, Any]:
+    """``(base model, merged params)`` of a LoRA model: what generation runs (the adapters folded
+    into the weights once, instead of at every ``apply``)."""
+    from ftitan.models import registry  # the family tables import every family
+
+    return registry.model_for(lm.config.base), merge(params, scale=lm.config.scale)
 
 
 def lora(model: Model, *, rank: int, alpha: float, targets: Sequence[str] | None = None) -> Model:

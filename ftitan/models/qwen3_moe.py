@@ -230,10 +230,12 @@ def _stage(
     last: bool,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int; default arange(T)
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (None: one document a row)
 ) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}, cache
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
-    cos, sin = decoder.rope(cfg, decoder.stage_positions(x, positions, first=first, family="qwen3_moe"))
+    cos, sin = decoder.rope(cfg, decoder.stage_positions(x, positions, first=first, family="qwen3_moe",
+                                                             segments=segments))  # fmt: skip
 
     # the parallel seams (decoder.attention/norm/mlp, expert.moe) are the single-process ops without a layout
     def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
@@ -244,7 +246,8 @@ def _stage(
             return h + y, stats
         return h + decoder.mlp(x, p["mlp"]), None
 
-    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache)
+    return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
+                             segments=segments)  # fmt: skip
 
 
 def _apply_with_aux(
@@ -255,10 +258,11 @@ def _apply_with_aux(
     *,
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int
     cache: Any = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (None: one document a row)
     logits: bool = True,
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
-                             positions=positions, cache=cache)  # fmt: skip
+                             positions=positions, cache=cache, segments=segments)  # fmt: skip
     out = decoder.logits_of(h, decoder.output_head(cfg, params)) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 

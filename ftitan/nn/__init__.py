@@ -12,7 +12,7 @@ A model collects layer specs into a tree shaped like its params, then
 layer's params from a key directly.
 """
 
-from ftitan.nn.attention import AttentionImpl, attention, causal_mask
+from ftitan.nn.attention import AttentionImpl, attention, causal_mask, document_mask, document_positions
 from ftitan.nn.embedding import EMBED_AXES, embed, embed_param, init_embed
 from ftitan.nn.linear import bias_param, init_linear, linear, linear_param
 from ftitan.nn import mla, moe
@@ -60,6 +60,8 @@ __all__ = [
     "axes",
     "bias_param",
     "causal_mask",
+    "document_mask",
+    "document_positions",
     "embed",
     "embed_param",
     "init",

@@ -18,7 +18,9 @@ is then aligned bottom-right, i.e. query ``t`` sits at key position
 
 An explicit ``mask`` (``(T, S)``, or ``(B, T, S)`` per sequence) replaces
 the causal rule where positions are not ``arange``: context parallelism's
-head-tail chunks, or a KV cache of padded rows (``ftitan.infer``).
+head-tail chunks, a KV cache of padded rows (``ftitan.infer``), or packed
+rows of several documents (:func:`document_mask`: block-diagonal causal, no
+token sees another document).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from ftitan.kernels.autodiff import plain_reverse_mode
 
-__all__ = ["Attend", "AttentionImpl", "attention", "causal_mask"]
+__all__ = ["Attend", "AttentionImpl", "attention", "causal_mask", "document_mask", "document_positions"]
 
 AttentionImpl = Literal["sdpa", "math"]
 IMPLS: tuple[str, ...] = ("sdpa", "math")
@@ -45,6 +47,26 @@ def causal_mask(t: int, s: int, *, device: torch.device | str | None = None) -> 
     """True where query ``i`` (of the last ``t`` of ``s`` positions) may see key ``j``."""
     q_pos = torch.arange(t, device=device)[:, None] + (s - t)
     return torch.arange(s, device=device)[None, :] <= q_pos
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:  # (B, T) int -> (B, T, T) bool
+    """Block-diagonal causal mask of packed rows: query ``i`` sees key ``j`` iff ``j <= i`` and both
+    carry the same document id (``segments[b, i] == segments[b, j]``)."""
+    if segments.dim() != 2 or segments.is_floating_point():
+        raise ValueError(f"document_mask: segments must be (B, T) int document ids, got {tuple(segments.shape)} "
+                         f"{segments.dtype}")  # fmt: skip
+    t = segments.shape[1]
+    return causal_mask(t, t, device=segments.device)[None] & (segments[:, :, None] == segments[:, None, :])
+
+
+def document_positions(segments: torch.Tensor) -> torch.Tensor:  # (B, T) int -> (B, T) int64
+    """Positions that restart at 0 where a new document starts (``segments`` changes along the row):
+    each document of a packed row is placed as if it ran alone."""
+    t = segments.shape[1]
+    index = torch.arange(t, device=segments.device).expand_as(segments)
+    first = torch.ones_like(segments[:, :1], dtype=torch.bool)
+    start = torch.cat([first, segments[:, 1:] != segments[:, :-1]], dim=1)  # (B, T): a document begins
+    return index - torch.where(start, index, torch.zeros_like(index)).cummax(dim=1).values
 
 
 def attention(

@@ -170,11 +170,18 @@ def attention(
     impl: AttentionImpl = "sdpa",
     causal: bool = True,
     scale: float | None = None,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of this rank's tokens (packed rows)
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """``nn.attention``; under context parallelism each rank's queries attend over the all-gathered
-    keys/values of every cp rank, masked by true positions (head-tail chunks, :func:`cp_positions`)."""
+    keys/values of every cp rank, masked by true positions (head-tail chunks, :func:`cp_positions`).
+    With ``segments`` (and ``causal``) a query sees only the earlier keys of its own document
+    (``nn.document_mask``; under cp the segments are all-gathered with the keys)."""
     layout = current()
+    if segments is not None and not causal:
+        raise ValueError("attention: segments (packed documents) come with causal=True")
     if layout is None or layout.sizes["cp"] == 1:
+        if segments is not None:
+            return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=nn.document_mask(segments))
         return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale)
     cp, group = layout.sizes["cp"], layout.group("cp")
     t_local = q.shape[1]
@@ -185,6 +192,9 @@ def attention(
         q_pos = cp_positions(t, cp, layout.coords["cp"], device=q.device)
         k_pos = torch.cat([cp_positions(t, cp, r, device=q.device) for r in range(cp)])
         mask = k_pos[None, :] <= q_pos[:, None]  # (T_local, T)
+        if segments is not None:  # the keys' document ids, in the same rank order as the keys
+            k_seg = C.all_gather(segments, group, dim=1)  # (B, T)
+            mask = mask[None] & (segments[:, :, None] == k_seg[:, None, :])  # (B, T_local, T)
     return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=mask)
 
 

@@ -201,7 +201,11 @@ def next_token_loss(
     """``loss_fn(params, batch) -> (loss, aux)`` for a ``Model``.
 
     ``batch`` is ``{"inputs": (B, T) int64, "targets": (B, T) int64}`` with
-    ``IGNORE_INDEX`` where no loss is taken (padding, prompts). The model runs
+    ``IGNORE_INDEX`` where no loss is taken (padding, prompts); packed rows
+    (``ftitan.data.pack_documents``) also carry ``"positions"`` and
+    ``"segments"`` (B, T), passed to ``apply`` so that no token attends to
+    another document. The loss is the mean over every target token of the
+    batch, whichever row or document holds it. The model runs
     with ``logits=False`` and the head is applied inside the chunked loss.
     ``aux["n_tokens"]`` counts the tokens that carry loss. For a model with
     ``apply_with_aux`` (MoE), its ``aux["loss"]`` (the weighted balancing
@@ -217,10 +221,11 @@ def next_token_loss(
 
     def loss_fn(params: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         inputs, targets = batch["inputs"], batch["targets"]
+        packed = {k: batch[k] for k in ("positions", "segments") if k in batch}  # packed rows' documents
         if model.apply_with_aux is None:
-            (h, _), model_aux = model.apply(params, inputs, logits=False), {}  # h: (B, T, D)
+            (h, _), model_aux = model.apply(params, inputs, logits=False, **packed), {}  # h: (B, T, D)
         else:
-            h, _, model_aux = model.apply_with_aux(params, inputs, logits=False)
+            h, _, model_aux = model.apply_with_aux(params, inputs, logits=False, **packed)
         loss = cross_entropy(
             h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size, fused=fused
         )

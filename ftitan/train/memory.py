@@ -53,19 +53,21 @@ def state_bytes(cfg: TrainConfig) -> tuple[int, int]:
     """``(params, bytes)``: the model's parameter count, and the bytes its training state holds at once:
     fp32 params, their gradients, the optimizer state, and a compute-dtype copy of the params when
     ``--mixed-precision.compute`` is not fp32. From meta tensors: allocates nothing."""
-    from ftitan import optim, random
-    from ftitan.models import registry
+    from ftitan import random
+    from ftitan.optim.masking import subset
+    from ftitan.train import post
     from ftitan.train.precision import dtype_of
     from ftitan.train.state import init_state
 
-    model = registry.model_for(cfg.model)
+    model = post.model_of(cfg)
     shapes = model.init(random.key(cfg.seed), device="meta")
-    opt = optim.from_config(cfg.optim, cfg.steps, shapes, frozen=model.frozen)
-    opt_state = init_state(shapes, opt, rng=random.key(cfg.seed)).opt_state
+    opt, trainable = post.optimizer_of(cfg, model, shapes), post.trainable_of(cfg)
+    opt_state = init_state(shapes, opt, rng=random.key(cfg.seed), trainable=trainable).opt_state
+    grads = T.nbytes(shapes if trainable is None else subset(trainable, shapes))  # LoRA: the adapters' only
     n, params = T.size(shapes), T.nbytes(shapes)
     compute = dtype_of(cfg.mixed_precision.compute)
     copy = 0 if compute == torch.float32 else n * compute.itemsize
-    return n, 2 * params + T.nbytes(opt_state) + copy
+    return n, params + grads + T.nbytes(opt_state) + copy
 
 
 def available_bytes(device: torch.device) -> int:

@@ -142,12 +142,16 @@ class Runtime:
         compile: bool,
         update_buffers: Any,
         precision: MixedPrecision | None = None,
+        trainable: Any = None,
     ) -> Callable:
         if self.layout is None:
             # the loop never reads a state twice: the step writes the new one into its buffers
             step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True,
-                                   precision=precision)  # fmt: skip
+                                   precision=precision, trainable=trainable)  # fmt: skip
             return torch.compile(step, fullgraph=True) if compile else step
+        if trainable is not None:
+            raise ValueError("--lora.rank: LoRA runs on one process for now; drop the --parallel.* degrees (or "
+                             "fine-tune every weight without --lora.rank)")  # fmt: skip
         if accum_steps != 1:
             raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "
                              "(under pp, --parallel.pp-microbatches splits it)")  # fmt: skip

@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 
-from ftitan import data, optim, random
+from ftitan import data, random
 from ftitan.checkpoint.run import RunDir, RunDirError, load_run
 from ftitan.config.io import config_from_dict, config_to_dict
 from ftitan.config.schema import TrainConfig
 from ftitan.data.pipeline import eval_rows, loader_state_like, train_batches
-from ftitan.models import registry
-from ftitan.train import faults, memory, nonfinite, runtime
-from ftitan.train.losses import next_token_loss
+from ftitan.models import lora
+from ftitan.train import faults, memory, nonfinite, post, runtime
 from ftitan.train.metrics import MetricsSink, Throughput, plot_losses, to_record
 from ftitan.train.precision import MixedPrecision
 from ftitan.train.state import TrainState, init_state
@@ -70,6 +69,18 @@ def _data(cfg: TrainConfig, rt: runtime.Runtime, run: RunDir, *, resume: bool, o
     return prepared
 
 
+def _initial_params(cfg: TrainConfig, rt: runtime.Runtime, model: Any) -> Any:
+    """Each rank materializes only its own blocks, on its device: drawn from the seed, or read from
+    ``--init.hf`` (with ``--lora.rank``: the checkpoint's weights as the frozen base, adapters drawn
+    from the seed)."""
+    key = random.key(cfg.seed)
+    if not cfg.init.hf:
+        return rt.init_params(model, key)
+    if not cfg.lora.rank:
+        return rt.load_hf(model, cfg.init.hf)
+    return lora.add_adapters(model.config, rt.load_hf(post.base_model_of(cfg), cfg.init.hf), key)
+
+
 @faults.reports_peer_failures  # under torchrun: a dead or hung peer ends this rank with one line, not a hang
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run ``cfg``; returns the final metrics and where things were written.
@@ -85,18 +96,18 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
     run, cfg_dict = RunDir.of(cfg), config_to_dict(cfg)
     prepared = _data(cfg, rt, run, resume=resume, overwrite=overwrite)
 
-    model = registry.model_for(cfg.model)
+    model = post.model_of(cfg)  # the family's model; with --lora.rank, with adapters (only they are trained)
     shapes = model.init(random.key(cfg.seed), device="meta")  # the whole model's shapes; allocates nothing
-    opt = optim.from_config(cfg.optim, cfg.steps, shapes, frozen=model.frozen)
-    loss_fn = next_token_loss(model)
+    opt, trainable = post.optimizer_of(cfg, model, shapes), post.trainable_of(cfg)
+    loss_fn = post.loss_of(cfg, model)  # next-token loss (pretraining, SFT), or DPO
     mp = cfg.mixed_precision
     precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)
     step_fn = rt.make_step(model, loss_fn, opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
-                           update_buffers=model.update_buffers, precision=precision)  # fmt: skip
-    # each rank materializes only its own blocks, on its device: drawn from the seed, or read from --init.hf
-    params = rt.load_hf(model, cfg.init.hf) if cfg.init.hf else rt.init_params(model, random.key(cfg.seed))
-    state: TrainState = init_state(params, opt, rng=random.key(cfg.seed))
-    whole = init_state(shapes, opt, rng=random.key(cfg.seed))  # what a checkpoint holds, every stage (meta)
+                           update_buffers=model.update_buffers, precision=precision, trainable=trainable)  # fmt: skip
+    params = _initial_params(cfg, rt, model)
+    reference = post.reference_of(cfg, model, params, lambda: _initial_params(cfg, rt, model))  # DPO only
+    state: TrainState = init_state(params, opt, rng=random.key(cfg.seed), trainable=trainable)
+    whole = init_state(shapes, opt, rng=random.key(cfg.seed), trainable=trainable)  # what a checkpoint holds (meta)
     loader, start = loader_state_like(cfg), 0
     if rt.is_main:
         run.remove_unfinished()  # temp dirs of saves a killed run cut short
@@ -109,7 +120,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
                           f"above {start} to train further (or --overwrite to start over)")  # fmt: skip
     batches = train_batches(prepared, cfg, loader, device=rt.device, data_rank=rt.data_rank())
     evals = eval_rows(prepared, cfg, device=rt.device, data_rank=rt.data_rank())
+    if reference is not None:  # held-out pairs: their reference log-probs once
+        evals = [reference(b) for b in evals]
     sink = MetricsSink(run.path, keep_until=start) if rt.is_main else None
+    if sink is not None and prepared.stats and start == 0:  # SFT data: conversations, truncated, packing fill
+        sink.log({"step": 0, **prepared.stats})
+    if rt.is_main and prepared.stats.get("data.truncated"):
+        warnings.warn(f"--data.truncate: {prepared.stats['data.truncated']:.0f} conversations were cut to "
+                      f"--data.seq-len + 1 = {cfg.data.seq_len + 1} tokens", stacklevel=2)  # fmt: skip
 
     def held_out_loss() -> float:
         # in the compute dtype the step trains in
@@ -124,6 +142,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
     try:
         for i in bar:
             batch = rt.local_batch(next(batches), rows_local=batches.rows_local)
+            if reference is not None:  # DPO: the frozen reference's log-probs of this batch
+                batch = reference(batch)
             state, m = step_fn(state, batch)  # data -> step: nothing waits for the device
             step = i + 1
             speed.step()

@@ -106,6 +106,15 @@ def test_training_touches_adapters_only_and_merge_matches(name: str):
     torch.testing.assert_close(base.apply(merged, tokens)[0], lm.apply(state.params, tokens)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_generate_with_the_lora_model_equals_the_merged_base():
+    lm = lora.lora(_base("llama"), rank=RANK, alpha=ALPHA)
+    state, _ = _train(lm, lm.init(ft.random.key(1)))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    got = ft.infer.generate(lm, state.params, prompts, max_new_tokens=6)  # greedy
+    want = ft.infer.generate(_base("llama"), lora.merge(state.params, scale=lm.config.scale), prompts, max_new_tokens=6)
+    assert got == want and lm.config.vocab_size == SHRINK["vocab_size"]
+
+
 def test_compiled_step_fullgraph():
     lm = lora.lora(_base("llama", n_layers=1), rank=RANK, alpha=ALPHA)  # one layer: compile time is per layer
     params = lm.init(ft.random.key(2))
