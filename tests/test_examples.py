@@ -98,3 +98,16 @@ def test_finetune_hf_example_trains_and_saves_what_transformers_loads(tmp_path):
     assert float(re.search(r"logit difference\| vs ftitan (\S+)", out.stdout).group(1)) <= 1e-5
     config = (tmp_path / "run" / "tokenizer_config.json").read_text()
     assert '"</s>"' in config  # the run trained with the checkpoint's tokenizer, copied into its directory
+
+
+def test_sft_lora_example_runs_all_three_steps():
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "sft_lora.py"), "--sft-steps", "40",
+                          "--lora-steps", "5", "--dpo-steps", "12"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = {k: [float(x) for x in re.findall(rf"{k} step +\d+  loss (\d+\.\d+)", out.stdout)]
+              for k in ("sft", "lora", "dpo")}  # fmt: skip
+    assert losses["sft"][-1] < losses["sft"][0] - 2.0, out.stdout  # SFT learns the task's text
+    assert losses["lora"][-1] < losses["lora"][0], out.stdout  # the adapters alone keep lowering it
+    assert losses["dpo"][-1] < losses["dpo"][0], out.stdout  # and DPO moves toward the preferred style
+    parse = [float(x) for x in re.findall(r"parse rate (\d\.\d+)", out.stdout)]
+    assert parse[0] == 0.0 and parse[1] > 0.5, out.stdout  # the untrained model's answers never parse

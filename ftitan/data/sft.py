@@ -61,7 +61,7 @@ class ChatData(NamedTuple):
 
     train: PackedDataset
     eval: PackedDataset
-    stats: dict[str, float]  # data.conversations (training ones), data.rows, data.fill, data.target_tokens, data.truncated
+    stats: dict[str, float]  # data.conversations (training), data.rows, data.fill, data.target_tokens, data.truncated
     template: ChatTemplate
 
 
@@ -95,7 +95,9 @@ def _held_out(every: list[T], split: str, what: str) -> list[T]:
     a file of one record is both)."""
     if not every:
         raise ValueError(f"{what}: no records in the file")
-    held = {i for i in range(len(every)) if i % EVAL_EVERY == EVAL_EVERY - 1} or ({len(every) - 1} if len(every) > 1 else set())
+    held = {i for i in range(len(every)) if i % EVAL_EVERY == EVAL_EVERY - 1}
+    if not held and len(every) > 1:
+        held = {len(every) - 1}
     if split == "eval":
         return [c for i, c in enumerate(every) if i in held] or every[-1:]
     return [c for i, c in enumerate(every) if i not in held]
@@ -132,8 +134,8 @@ def _encode(convs: list[Conversation], template: ChatTemplate, tok: Any, cfg: Tr
         ex = encode_chat(c.messages, template, tok, seq_len=limit, truncate=True, where=c.where)
         if ex.truncated and not cfg.data.truncate:
             raise ValueError(f"{c.where}: the conversation is longer than --data.seq-len + 1 = {limit} tokens; raise "
-                             f"--data.seq-len, shorten or drop it, or pass --data.truncate True to keep its first {limit} "
-                             "(counted in the metrics as data.truncated)")  # fmt: skip
+                             f"--data.seq-len, shorten or drop it, or pass --data.truncate True to keep its first "
+                             f"{limit} (counted in the metrics as data.truncated)")  # fmt: skip
         yield ex
 
 
@@ -153,7 +155,8 @@ def prepare_chat(cfg: TrainConfig, tokenizer: Any, template: ChatTemplate) -> Ch
     """Encode and pack the run's conversations (see the module docstring)."""
     sets, stats, cut = [], {}, 0
     for split in ("train", "eval"):
-        examples = list(_encode(chat_conversations(cfg.data.chat, split=split, seed=cfg.seed), template, tokenizer, cfg))
+        convs = chat_conversations(cfg.data.chat, split=split, seed=cfg.seed)
+        examples = list(_encode(convs, template, tokenizer, cfg))
         packed = pack_documents([(e.ids, e.mask) for e in examples], seq_len=cfg.data.seq_len)
         sets.append(PackedDataset(packed.batch))
         cut += sum(e.truncated for e in examples)

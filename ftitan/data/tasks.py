@@ -6,24 +6,35 @@ Every task asks a question and is answered in one format, ``"The answer is <answ
     sort      user: "Sort the digits: 7 2 9"       assistant: "The answer is 2 7 9."
     add       user: "What is 37 + 58?"             assistant: "The answer is 95."
 
-``reverse`` (the default) is the one a tiny transformer learns quickly: 3 to 5 distinct
-lowercase letters, written with spaces so that a byte-level BPE keeps one token a letter
-(``" a"``; without spaces the merges would cut the string into chunks whose reversal is a
-different set of tokens). Distinct letters make the task an induction-head copy run backwards:
-find the letter just written among the question's letters and write the one before it. ``add``
-(two numbers in 0..99) needs carries over BPE number tokens: a harder task for longer runs.
+Digits and letters are written with spaces so that a byte-level BPE keeps one token a symbol
+(``" 7"``; without spaces its merges would cut the string into chunks that reorder into other tokens).
+
+How fast each is learned, from scratch on 2 CPU cores (llama dim 128, 2 layers, 4 heads, a BPE
+trained on the task text, AdamW 3e-3 with 50 warmup steps and cosine decay, seq_len 64, loss on
+assistant tokens; exact match on 200 held-out items):
+
+- ``sort`` (the default): 3-5 distinct digits. Batch 16, eager, 100 steps (5 s): format from step
+  25, exact match 67-79% at step 50 and 99.5-100% at step 100 over 4 seeds. A one-layer
+  algorithm: the next digit is the smallest one above the last.
+- ``reverse``: 3-5 distinct letters. Format by step 50; exact match sits at 0 through a plateau
+  (an induction head run backwards: find the letter just written, write the one before it), then
+  jumps, or not: batch 32, 86% at step 1250 of a 2000-step schedule, but 8% after a 1500-step
+  one and 0% after a 600-step one (12% with dim 256). For runs longer than a test's.
+- ``add``: two numbers in 0..99, carries over BPE number tokens: format by step 100, exact match
+  about 1% after 600 steps of batch 32. For models that know arithmetic already.
 
 Splits: a question is held out (``split="eval"``) iff the CRC-32 of its text is 0 mod 10
-(:func:`split_of`), so the train and eval splits never share a question, whatever the seed
-or count. Items are drawn with ``random.Random`` from a string seed of (task, split, seed):
-the same arguments give the same items on every machine and Python version. Questions may
-repeat within a split (``add`` has only 10,000).
+(:func:`split_of`), so the train and eval splits never share a question, whatever the seed or
+count; ``sort`` hashes the answer instead, so no held-out digit set is trained on in any order.
+Items are drawn with ``random.Random`` from a string seed of (task, split, seed): the same
+arguments give the same items on every machine and Python version. Questions may repeat within
+a split (``add`` has only 10,000).
 
 Example::
 
     items = task_items(200, seed=0, split="eval")             # [{"messages": [user, assistant]}, ...]
     write_task_jsonl("train.jsonl", 20_000, seed=0, split="train")   # read by ftitan.data.read_conversations
-    exact_match("The answer is t a c.", item)                 # True when item's answer is "t a c"
+    exact_match("The answer is 2 7 9.", item)                 # True when item's answer is "2 7 9"
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ __all__ = [
 SPLITS = ("train", "eval")
 EVAL_ITEMS = 200  # held-out items an evaluation scores by default
 EVAL_MODULUS = 10  # one question in EVAL_MODULUS (by CRC-32) is held out
-DEFAULT_TASK = "reverse"
+DEFAULT_TASK = "sort"
 
 # The whole answer: an integer, or single lowercase letters or digits separated by single spaces.
 _ANSWER = re.compile(r"The answer is (-?[0-9]+|[a-z0-9](?: [a-z0-9])*)\.")
@@ -56,6 +67,9 @@ class Task(NamedTuple):
 
     make: Callable[[random.Random], tuple[str, str]]
     doc: str
+    # what split_of hashes: "question", or "answer" when many questions share an answer (sort: every order
+    # of a digit set), so that no held-out answer is ever trained on
+    split_on: str = "question"
 
 
 def _reverse(rng: random.Random) -> tuple[str, str]:
@@ -75,14 +89,15 @@ def _add(rng: random.Random) -> tuple[str, str]:
 
 TASKS: Mapping[str, Task] = {
     "reverse": Task(_reverse, "reverse 3-5 distinct space-separated lowercase letters"),
-    "sort": Task(_sort, "sort 3-5 distinct space-separated digits ascending"),
+    "sort": Task(_sort, "sort 3-5 distinct space-separated digits ascending", split_on="answer"),
     "add": Task(_add, "add two integers in 0..99"),
 }
 
 
-def split_of(question: str) -> str:
-    """``"eval"`` for the held-out questions (CRC-32 of the UTF-8 text 0 mod 10), else ``"train"``."""
-    return "eval" if zlib.crc32(question.encode("utf-8")) % EVAL_MODULUS == 0 else "train"
+def split_of(text: str) -> str:
+    """``"eval"`` for held-out text (CRC-32 of its UTF-8 0 mod 10), else ``"train"``; the text is a task's
+    question or answer (``Task.split_on``)."""
+    return "eval" if zlib.crc32(text.encode("utf-8")) % EVAL_MODULUS == 0 else "train"
 
 
 def _conversation(question: str, answer: str) -> dict[str, Any]:
@@ -98,12 +113,12 @@ def task_items(n: int, *, seed: int, split: str, task: str = DEFAULT_TASK) -> li
         raise ValueError(f"task_items: no task {task!r}; known: {', '.join(sorted(TASKS))}")
     if n < 0:
         raise ValueError(f"task_items: n={n} must be >= 0")
-    make = TASKS[task].make
+    make, on_answer = TASKS[task].make, TASKS[task].split_on == "answer"
     rng = random.Random(f"ftitan.data.tasks/{task}/{split}/{seed}")  # str seeds hash the same on every run
     items = []
     while len(items) < n:
         question, answer = make(rng)
-        if split_of(question) == split:
+        if split_of(answer if on_answer else question) == split:
             items.append(_conversation(question, answer))
     return items
 

@@ -102,7 +102,8 @@ class Throughput:
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Train and held-out loss against step, written atomically to ``path`` (a PNG)."""
+    """Train and held-out loss against step (and a synthetic task's exact match and parse rate, on a second
+    axis), written atomically to ``path`` (a PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,9 +114,19 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="o" if key == "eval_loss" else None, label=label)
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
+    ylabel = "DPO loss" if any("rewards/accuracy" in r for r in records) else "cross-entropy (nats/token)"
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left")
+    scores = [(key, [(r["step"], r[key]) for r in records if key in r])
+              for key in ("eval.exact_match", "eval.parse_rate")]  # fmt: skip
+    if any(pts for _, pts in scores):  # SFT on a synthetic task: its exact match, on a second axis
+        right = ax.twinx()
+        for (key, pts), style in zip(scores, ("s-", "^:"), strict=True):
+            if pts:
+                right.plot(*zip(*pts), style, color="tab:green", label=key.removeprefix("eval."))
+        right.set(ylabel="share of held-out answers", ylim=(0, 1))
+        right.legend(loc="upper right")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)

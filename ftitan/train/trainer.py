@@ -81,6 +81,33 @@ def _initial_params(cfg: TrainConfig, rt: runtime.Runtime, model: Any) -> Any:
     return lora.add_adapters(model.config, rt.load_hf(post.base_model_of(cfg), cfg.init.hf), key)
 
 
+def _task_evaluator(cfg: TrainConfig, rt: runtime.Runtime, model: Any,
+                    prepared: data.pipeline.RunData) -> Callable[[Any], dict[str, float]] | None:  # fmt: skip
+    """With ``--data.chat task:NAME`` on one process: ``params -> {"eval.exact_match", "eval.parse_rate"}``
+    of greedy answers to ``--data.task-eval-items`` held-out questions (``ftitan.train.exact_match``)."""
+    if not cfg.data.chat.startswith(data.sft.TASK_PREFIX) or not cfg.data.task_eval_items or rt.layout is not None:
+        return None
+    from ftitan.data import tasks
+    from ftitan.train.exact_match import exact_match_eval
+
+    name = cfg.data.chat.removeprefix(data.sft.TASK_PREFIX)
+    items = tasks.task_items(cfg.data.task_eval_items, seed=cfg.seed, split="eval", task=name)
+    tok, template = prepared.tokenizer, prepared.template
+
+    def answer_tokens(item: dict[str, Any]) -> int:  # the reference answer with its end marker
+        whole = template.render(item["messages"])
+        prompt = template.render(item["messages"][:-1], add_generation_prompt=True)
+        return len(tok.encode(whole)) - len(tok.encode(prompt))
+
+    longest = max(answer_tokens(it) for it in items) + 4  # and a few tokens more
+
+    def score(params: Any) -> dict[str, float]:
+        scores = exact_match_eval(model, params, tok, template, items, max_new_tokens=longest, batch_size=50)
+        return {f"eval.{k}": v for k, v in scores.items()}
+
+    return score
+
+
 @faults.reports_peer_failures  # under torchrun: a dead or hung peer ends this rank with one line, not a hang
 def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run ``cfg``; returns the final metrics and where things were written.
@@ -134,6 +161,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
         batch_loss = functools.partial(rt.eval_loss, model, loss_fn, rows_local=batches.rows_local, precision=precision)
         return evaluate(batch_loss, state.params, evals)
 
+    task_eval = _task_evaluator(cfg, rt, model, prepared)
+    if task_eval is not None and sink is not None and start == 0:  # the untrained model's score, to compare
+        sink.log({"step": 0, **task_eval(state.params)})
     saver = run.checkpointer(cfg.checkpoint, keep=cfg.keep, cfg_dict=cfg_dict)  # every rank: its own writer
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (progress and rt.is_main),
                unit="step")  # fmt: skip
@@ -159,10 +189,14 @@ def train(cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, pr
                 guard.check(cfg.optim, step=step, run_dir=run, settle=saver.wait)  # halted: stop, naming it
             t_side = time.perf_counter()
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                ev = held_out_loss()
+                record = {"step": step, "eval_loss": held_out_loss()}
+                if task_eval is not None:  # --data.chat task:NAME: greedy answers to held-out questions
+                    record.update(task_eval(state.params))
                 if sink is not None:
-                    sink.log({"step": step, "eval_loss": ev})
-                    bar.write(f"step {step}: held-out loss {ev:.4f}")
+                    sink.log(record)
+                    scores = "".join(f", {k.removeprefix('eval.')} {v:.3f}" for k, v in record.items()
+                                     if k.startswith("eval."))  # fmt: skip
+                    bar.write(f"step {step}: held-out loss {record['eval_loss']:.4f}{scores}")
             if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == cfg.steps:
                 # never checkpoint a non-finite state: a halted guard or a NaN param stops the run (one read back)
                 nonfinite.read(state, params=True).check(cfg.optim, step=step, run_dir=run, settle=saver.wait)

@@ -58,7 +58,8 @@ def test_lora_dpo_over_an_hf_checkpoint(tmp_path):
 def test_reference_free_and_bad_dpo_flags(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", "--recipe", "dpo-debug", "--run-dir", str(run), "--steps", "2", "--eval-every", "2",
-                 "--model.n-layers", "1", "--optim.warmup", "0", "--dpo.reference-free", "True", "--dpo.loss-type", "ipo",
+                 "--model.n-layers", "1", "--optim.warmup", "0", "--dpo.reference-free", "True",
+                 "--dpo.loss-type", "ipo",
                  *FAST]) == 0  # fmt: skip
     first = next(r for r in _records(run) if "loss" in r)
     assert abs(first["loss"] - math.log(2)) > 1e-3  # no reference: the random policy's own margins count
