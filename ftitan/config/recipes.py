@@ -186,20 +186,6 @@ def deepseek_v3_debug_ep() -> TrainConfig:
     return attrs.evolve(deepseek_v3_debug(), parallel=ParallelConfig(ep=2, dp_shard=2), compile=False)
 
 
-@recipe("sft")
-def sft() -> TrainConfig:
-    """Chat SFT of a published checkpoint: ``ftitan train --recipe sft --init.hf DIR --data.chat FILE.jsonl``
-    (add ``--lora.rank 16`` for LoRA). The model, tokenizer and chat template come from DIR; the loss is
-    the mean over assistant tokens of packed conversations. AdamW at a fine-tuning lr, no weight decay,
-    a short warmup, cosine to 10%."""
-    return attrs.evolve(
-        llama3_debug(),
-        optim=OptimConfig(name="adamw", lr=2e-5, warmup=10, schedule="cosine", weight_decay=0.0),
-        data=DataConfig(chat="task:sort", vocab_size=320, seq_len=512, batch_size=8),
-        steps=200, eval_every=50, eval_batches=4, ckpt_every=100,
-    )  # fmt: skip
-
-
 @recipe("dpo-debug")
 def dpo_debug() -> TrainConfig:
     """DPO on a synthetic preference set made locally (``task:format``: an answer in the house style,
@@ -233,3 +219,20 @@ def sft_debug() -> TrainConfig:
         data=DataConfig(chat="task:sort", vocab_size=300, seq_len=128, batch_size=8),
         steps=200, eval_every=50, eval_batches=4, ckpt_every=200, log_every=10,
     )  # fmt: skip
+
+
+@recipe("sft")
+def sft() -> TrainConfig:
+    """Chat SFT of a published checkpoint: ``ftitan train --recipe sft --init.hf DIR --data.chat FILE.jsonl``
+    (add ``--lora.rank 16`` for LoRA). The model, tokenizer and chat template come from DIR; the loss is
+    the mean over assistant tokens of packed conversations. AdamW at a fine-tuning lr, no weight decay,
+    a short warmup, cosine to 10%."""
+    base = sft_debug()  # without --init.hf: sft-debug's model and task, at a fine-tuning lr
+    return attrs.evolve(
+        base,
+        model=with_max_seq_len(2048)(base.model),
+        optim=OptimConfig(name="adamw", lr=2e-5, warmup=10, schedule="cosine", weight_decay=0.0),
+        data=attrs.evolve(base.data, seq_len=512, batch_size=8),
+        steps=200, eval_every=50, eval_batches=4, ckpt_every=100,
+    )  # fmt: skip
+
