@@ -257,8 +257,13 @@ def _check_post_training(cfg: TrainConfig) -> None:
     if post and p.pp > 1:
         raise _fail("--parallel.pp", p.pp, f"{post}: packed conversations do not run through pipeline stages yet; "
                     "use --parallel.pp 1 (dp, tp, cp and ep split them)")  # fmt: skip
-    for flag, spec in (("--data.chat", d.chat), ("--data.preference", d.preference)):
-        if spec and not spec.startswith("task:") and not Path(spec).is_file():
+    from ftitan.data import sft, tasks
+
+    for flag, spec, known in (("--data.chat", d.chat, tasks.TASKS), ("--data.preference", d.preference,
+                                                                       sft.PREFERENCE_TASKS)):  # fmt: skip
+        if spec.startswith(sft.TASK_PREFIX) and spec.removeprefix(sft.TASK_PREFIX) not in known:
+            raise _fail(flag, spec, f"no such synthetic task; known: {', '.join('task:' + t for t in sorted(known))}")
+        if spec and not spec.startswith(sft.TASK_PREFIX) and not Path(spec).is_file():
             raise _fail(flag, spec, "no such file; pass a .jsonl file, or task:NAME for a synthetic task")
     if d.task_eval_items < 0:
         raise _fail("--data.task-eval-items", d.task_eval_items, "must be >= 0 (0: no exact-match evaluation)")
