@@ -116,6 +116,13 @@ def add_adapters(cfg: Config, base_params: tree.Tree, key: torch.Tensor) -> dict
     return {"base": base_params, "lora": tree.from_paths(adapters)}
 
 
+def _tp_summed(x: torch.Tensor, logical: str | None) -> torch.Tensor:
+    """``x`` whose gradient is summed over the tensor-parallel axes of ``logical`` (a no-op without a layout)."""
+    from ftitan.parallel import activations  # ftitan.parallel imports the model families
+
+    return x if logical is None else activations.tp_shared(x, logical)
+
+
 def _is_adapter(node: Any) -> bool:
     return isinstance(node, Mapping) and isinstance(node.get("A"), torch.Tensor)
 
@@ -165,20 +172,32 @@ def lora(model: Model, *, rank: int, alpha: float, targets: Sequence[str] | None
     def init(key: torch.Tensor, *, dtype: torch.dtype = torch.float32, device: Any = None) -> tree.Tree:
         return add_adapters(cfg, model.init(key, dtype=dtype, device=device), key)
 
+    def summed(adapters: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+        # under tensor parallelism a factor replicated over tp meets the other's tp-split dim: each rank's
+        # W shard sees a part of its cotangent, so its gradient is summed over tp (as for QK-norm scales)
+        out = {}
+        for k, node in adapters.items():
+            if _is_adapter(node):
+                w_out, w_in = axes_of[prefix + k]
+                out[k] = {"A": _tp_summed(node["A"], w_out), "B": _tp_summed(node["B"], w_in)}
+            else:
+                out[k] = summed(node, f"{prefix}{k}.")
+        return out
+
     def apply(params: Mapping[str, Any], tokens: torch.Tensor, **kwargs: Any) -> Any:
-        return model.apply(merge(params, scale=scale), tokens, **kwargs)
+        return model.apply(_merged(params["base"], summed(params["lora"]), scale), tokens, **kwargs)
 
     def head(params: Mapping[str, Any]) -> torch.Tensor:
         # only a top-level adapter (an adapted "head" / tied "embed") can change the head
         top = {k: v for k, v in params["lora"].items() if _is_adapter(v)}
-        return model.head(_merged(params["base"], top, scale))
+        return model.head(_merged(params["base"], summed(top), scale))
 
     apply_with_aux = None
     if model.apply_with_aux is not None:
         base_aux = model.apply_with_aux
 
         def apply_with_aux(params: Mapping[str, Any], tokens: torch.Tensor, **kwargs: Any) -> Any:
-            return base_aux(merge(params, scale=scale), tokens, **kwargs)
+            return base_aux(_merged(params["base"], summed(params["lora"]), scale), tokens, **kwargs)
 
     update_buffers = None
     if model.update_buffers is not None:

@@ -100,3 +100,14 @@ def test_packed_rows_match_unpacked_single_process(parity_results, name):
     assert r["rows"] < r["docs"]
     assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
     assert r["grad_scale"] > 1e-3
+
+
+def test_lora_adapters_under_fsdp_tp_match_single_process(parity_results):
+    # the adapters placed by their logical axes (A like W's input dim, B like its output dim); a factor
+    # replicated over tp gets its gradient summed over tp, as the single process computes it
+    r = parity_results["lora_dp_shard2_tp2"]
+    assert "error" not in r, r["error"]
+    assert r["placements"] == {"lora.layers.0.attn.wq.A": "(Shard(dim=1), Replicate())",
+                               "lora.layers.0.attn.wq.B": "(Replicate(), Shard(dim=0))"}  # fmt: skip
+    assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5
+    assert r["grad_scale"] > 1e-3
