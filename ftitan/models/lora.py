@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -241,6 +242,16 @@ def _peft_names(cfg: Config) -> dict[str, str]:
     return out
 
 
+def _target_modules(cfg: Config) -> list[str] | str:
+    """PEFT's ``target_modules``: the adapted modules' last names (``["q_proj", "v_proj"]``, what vLLM reads),
+    or for MoE families, whose experts hold parameters of the same names (``mlp.experts.down_proj``) that
+    PEFT would wrap too, a regex PEFT full-matches against exactly the adapted modules."""
+    names = sorted(_peft_names(cfg).values())
+    if getattr(cfg.base, "n_experts", 0):
+        return "|".join(re.escape(n) for n in names)
+    return sorted({n.rsplit(".", 1)[-1] for n in names})
+
+
 def save_peft(params: Mapping[str, Any], cfg: Config, directory: str | os.PathLike[str]) -> Path:
     """Write the adapters as PEFT does (``adapter_config.json`` + ``adapter_model.safetensors``, keys
     ``base_model.model.<module>.lora_A.weight`` / ``lora_B``): loadable by ``PeftModel.from_pretrained``
@@ -256,7 +267,7 @@ def save_peft(params: Mapping[str, Any], cfg: Config, directory: str | os.PathLi
             state[f"{_PEFT_PREFIX}{name}.lora_{ab}.weight"] = node[ab].detach().to("cpu").contiguous()
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-        "target_modules": sorted({n.rsplit(".", 1)[-1] for n in _peft_names(cfg).values()}),
+        "target_modules": _target_modules(cfg),
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": None,
     }  # fmt: skip

@@ -25,10 +25,14 @@ COMMON = ["--recipe", "sft", "--data.seq-len", "48", "--optim.warmup", "0", "--o
           "--eval-batches", "1", "--compile", "False", "--device", "cpu"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def chat_setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
-    hf_dir, hm = make_hf_chat_dir(root / "hf")
+# every family fine-tunes through the CLI; one in the default tier, the others in the slow one
+FAMILIES = ["qwen3", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "qwen3_moe", "deepseek_v3"))]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def chat_setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"sft-{request.param}")
+    hf_dir, hm = make_hf_chat_dir(root / "hf", family=request.param)
     data = write_jsonl(root / "chat.jsonl", conversations(24))
     return root, hf_dir, hm, data
 
@@ -67,7 +71,7 @@ def test_full_sft_first_loss_is_transformers_loss_on_assistant_tokens(chat_setup
             total += float(torch.nn.functional.cross_entropy(logits[keep], t[keep], reduction="sum"))
             count += int(keep.sum())
     assert count == int((batch["targets"] != IGNORE_INDEX).sum())
-    assert abs(first["loss"] - total / count) <= 1e-5
+    assert abs(first.get("ce_loss", first["loss"]) - total / count) <= 1e-5  # MoE: without the balancing term
     assert any("eval_loss" in r for r in records)
 
 
@@ -115,8 +119,10 @@ def test_lora_sft_trains_adapters_only_and_converts_merged(chat_setup, tmp_path)
     assert step == 3 and cfg.lora.rank == 4 and model.config.scale == 2.0
     # the base is the checkpoint's, bit for bit; every adapter moved (B from zeros)
     _, base = hf.load_hf(hf_dir)
-    for a, b in zip(ft.tree.leaves(params["base"]), ft.tree.leaves(base), strict=True):
-        assert torch.equal(a, b)
+    paths, leaves, _ = ft.tree.flatten_with_paths(params["base"])
+    for path, a, b in zip(paths, leaves, ft.tree.leaves(base), strict=True):
+        if not path.endswith("router_bias"):  # DeepSeek-V3's balancing bias moves with the load, by design
+            assert torch.equal(a, b), path
     assert all(float(node.abs().max()) > 0 for node in ft.tree.leaves(params["lora"]))
     assert main(["convert", "--run", str(run), "--hf", str(out)]) == 0
     merged_model, merged = lora.merged_model(model, params)
@@ -127,10 +133,17 @@ def test_lora_sft_trains_adapters_only_and_converts_merged(chat_setup, tmp_path)
     got = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert (got(input_ids=tokens).logits - want).abs().max() <= 1e-5
-        # the adapters in PEFT's format, over the original checkpoint, give the same model
+    # the adapters in PEFT's format: over the original checkpoint, peft gives the same model (dense families:
+    # for MoE models peft 0.21 re-maps adapters through transformers 5's fused-expert weight conversions, so
+    # there the file is only checked to name exactly the adapted modules, by a regex peft full-matches)
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    if getattr(cfg.model, "n_experts", 0):
+        assert isinstance(config["target_modules"], str) and "experts" not in config["target_modules"]
+    else:
         fresh = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)  # PEFT wraps the model it is given
-        peft_model = PeftModel.from_pretrained(fresh, out / "adapter").eval()
-        assert (peft_model(input_ids=tokens).logits - want).abs().max() <= 1e-5
+        with torch.no_grad():
+            peft_logits = PeftModel.from_pretrained(fresh, out / "adapter").eval()(input_ids=tokens).logits
+        assert (peft_logits - want).abs().max() <= 1e-5
     # the exported tokenizer renders conversations with the checkpoint's own template
     messages = conversations(2)[1]["messages"]
     a = transformers.AutoTokenizer.from_pretrained(out).apply_chat_template(messages, tokenize=False)
