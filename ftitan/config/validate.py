@@ -271,9 +271,6 @@ def _check_post_training(cfg: TrainConfig) -> None:
         raise _fail("--lora.rank", lo.rank, "must be an int >= 0 (0: full fine-tuning)")
     if lo.alpha < 0:
         raise _fail("--lora.alpha", lo.alpha, "must be >= 0 (0: 2 * rank)")
-    if lo.rank and p.world_size > 1:
-        raise _fail("--lora.rank", lo.rank, "LoRA runs on one process for now; drop the --parallel.* degrees (or "
-                    "fine-tune every weight: --lora.rank 0)")  # fmt: skip
     if lo.rank and p.pp > 1:
         raise _fail("--lora.rank", lo.rank, "LoRA does not run through pipeline stages; use --parallel.pp 1")
     if d.preference and p.world_size > 1:

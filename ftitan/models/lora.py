@@ -102,17 +102,20 @@ def _lookup(t: Any, path: str) -> Any:
     return t
 
 
-def add_adapters(cfg: Config, base_params: tree.Tree, key: torch.Tensor) -> dict[str, Any]:
+def add_adapters(cfg: Config, base_params: tree.Tree, key: torch.Tensor, *,
+                 device: torch.device | str | None = None) -> dict[str, Any]:  # fmt: skip
     """LoRA params around ``base_params`` (e.g. a pretrained checkpoint): ``A`` at ``lora.<path>.A``
-    drawn from ``random.fold_in(key, "lora.<path>.A")``, ``B`` zeros, in each weight's dtype and device."""
+    drawn from ``random.fold_in(key, "lora.<path>.A")``, ``B`` zeros, in each weight's dtype and device
+    (``device``: there instead, e.g. adapters drawn whole around a ``"meta"`` base, to shard after)."""
     adapters = {}
     for p in cfg.paths:
         w = _lookup(base_params, p)  # (out, in)
         out_dim, in_dim = w.shape
+        where = w.device if device is None else device
         bound = 1.0 / math.sqrt(in_dim)
         a = random.uniform(random.fold_in(key, f"lora.{p}.A"), (cfg.rank, in_dim), low=-bound, high=bound,
-                           dtype=w.dtype, device=w.device)  # fmt: skip
-        b = torch.zeros(out_dim, cfg.rank, dtype=w.dtype, device=w.device)
+                           dtype=w.dtype, device=where)  # fmt: skip
+        b = torch.zeros(out_dim, cfg.rank, dtype=w.dtype, device=where)
         adapters[p] = {"A": a, "B": b}
     return {"base": base_params, "lora": tree.from_paths(adapters)}
 

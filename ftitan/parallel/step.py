@@ -48,7 +48,8 @@ from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.rules import Sharding
 from ftitan.parallel.shard import from_local, gathered, to_local
 from ftitan.train.precision import MixedPrecision
-from ftitan.train.state import TrainState
+from ftitan.optim.masking import merge, subset
+from ftitan.train.state import Trainable, TrainState
 from ftitan.train.step import value_and_grad
 
 __all__ = ["loss_share", "make_parallel_loss", "make_train_step", "shard_batch", "sharding_of"]
@@ -169,6 +170,7 @@ def make_train_step(
     update_buffers: Callable[[Any, dict[str, torch.Tensor]], Any] | None = None,
     grad_fn: Callable[[Any], Callable[..., Any]] | None = None,
     precision: MixedPrecision | None = None,
+    trainable: Trainable | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A train step over ``layout``: ``step(state, local_batch) -> (state, metrics)`` (see the module doc).
 
@@ -189,7 +191,15 @@ def make_train_step(
     ``MixedPrecision.from_names("fp32", "bf16", "fp32").for_model(model)``): gathers and
     compute in its compute dtype, data-parallel gradient reductions in its reduce dtype
     (see the module docstring). Not yet with ``grad_fn`` (pipeline parallelism).
+
+    ``trainable`` (glob(s) or ``(path, leaf) -> bool``, e.g. ``ftitan.models.lora.TRAINABLE``) as in
+    ``ftitan.train.make_train_step``: only those leaves are differentiated, hold optimizer state
+    (``init_state(..., trainable=)``) and change; the others go into the loss as constants. Not yet
+    with ``grad_fn``.
     """
+    if trainable is not None and grad_fn is not None:
+        raise ValueError("parallel.make_train_step: trainable= with a grad_fn (pipeline parallelism) is not supported "
+                         "yet; train every leaf under pp > 1")  # fmt: skip
     if grad_fn is None and loss_fn is None:
         raise ValueError("parallel.make_train_step: pass a loss_fn, or a grad_fn (e.g. parallel.pipeline_grad(...))")
     if grad_fn is not None and precision is not None and not precision.is_full:
@@ -207,6 +217,13 @@ def make_train_step(
                 fn = grad_fn(shardings)
             else:
                 local_loss = make_parallel_loss(loss_fn, layout, shardings, precision=precision)
+                if trainable is not None:  # the selected leaves; the rest ride along with the batch
+                    full_loss = local_loss
+
+                    def local_loss(selected: Any, rest_and_batch: Any) -> Any:
+                        rest, b = rest_and_batch
+                        return full_loss(merge(rest, selected), b)
+
                 fn = value_and_grad(local_loss, impl="autograd")
             if compile:
                 fn = _compiled(fn, compile)
@@ -215,16 +232,22 @@ def make_train_step(
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         grad_fn = grad_fn_for(state.params)
+        local = to_local(state.params)
+        train = state.params if trainable is None else subset(trainable, state.params)
         with use(layout):
-            grads_local, (loss, aux) = grad_fn(to_local(state.params), batch)
-        grads = from_local(grads_local, state.params)
+            if trainable is None:
+                grads_local, (loss, aux) = grad_fn(local, batch)
+            else:
+                grads_local, (loss, aux) = grad_fn(subset(trainable, local), (local, batch))
+        grads = from_local(grads_local, train)
         # with pp > 1 each rank holds one stage: norms (clipping, the metric) add every stage's squares
         across = T.norm_across(_pp_sum(layout)) if layout.sizes["pp"] > 1 else contextlib.nullcontext()
         with implicit_replication(), across:
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            updates, opt_state = optimizer.update(grads, state.opt_state, train)
             # whole-matrix algebra (Muon's Newton-Schulz) may leave an update placed otherwise: keep
             # every param where the rules put it
-            params = T.map(_placed_like, optim.apply_updates(state.params, updates), state.params)
+            new = T.map(_placed_like, optim.apply_updates(train, updates), train)
+            params = new if trainable is None else merge(state.params, new)
             grad_norm = T.global_norm(grads)
         axes = (*layout.data_axes(), "tp") if layout.tp > 1 else layout.data_axes()
         if layout.sizes["pp"] > 1:  # each pp rank holds one stage and its share of the loss

@@ -149,9 +149,6 @@ class Runtime:
             step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True,
                                    precision=precision, trainable=trainable)  # fmt: skip
             return torch.compile(step, fullgraph=True) if compile else step
-        if trainable is not None:
-            raise ValueError("--lora.rank: LoRA runs on one process for now; drop the --parallel.* degrees (or "
-                             "fine-tune every weight without --lora.rank)")  # fmt: skip
         if accum_steps != 1:
             raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "
                              "(under pp, --parallel.pp-microbatches splits it)")  # fmt: skip
@@ -162,7 +159,7 @@ class Runtime:
             return parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
                                             update_buffers=update_buffers)  # fmt: skip
         return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers,
-                                        precision=precision)  # fmt: skip
+                                        precision=precision, trainable=trainable)  # fmt: skip
 
     def data_rank(self) -> tuple[int, int]:
         """``(index, count)``: which slice of each global batch's rows this rank trains on."""

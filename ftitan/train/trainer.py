@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ftitan import data, random
+from ftitan import data, parallel, random
 from ftitan.checkpoint.run import RunDir, RunDirError, load_run
 from ftitan.config.io import config_from_dict, config_to_dict
 from ftitan.config.schema import TrainConfig
@@ -78,7 +78,13 @@ def _initial_params(cfg: TrainConfig, rt: runtime.Runtime, model: Any) -> Any:
         return rt.init_params(model, key)
     if not cfg.lora.rank:
         return rt.load_hf(model, cfg.init.hf)
-    return lora.add_adapters(model.config, rt.load_hf(post.base_model_of(cfg), cfg.init.hf), key)
+    base = rt.load_hf(post.base_model_of(cfg), cfg.init.hf)
+    if rt.layout is None:
+        return lora.add_adapters(model.config, base, key)
+    # the adapters are small: drawn whole on each rank (around the base's shapes), then each keeps its blocks
+    drawn = lora.add_adapters(model.config, post.base_model_of(cfg).init(key, device="meta"), key, device=rt.device)
+    lora_axes = model.param_axes["lora"]
+    return {"base": base, "lora": parallel.shard_params(drawn["lora"], lora_axes, rt.layout.rules, rt.layout)}
 
 
 def _task_evaluator(cfg: TrainConfig, rt: runtime.Runtime, model: Any,

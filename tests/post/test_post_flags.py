@@ -16,7 +16,7 @@ from ftitan.config import parse_train_args
         (["--data.chat", "", "--data.preference", "task:x"], r"^--data.preference='task:x': no such synthetic task"),
         (["--lora.rank", "-1"], r"^--lora.rank=-1: must be an int >= 0"),
         (["--lora.alpha", "-2"], r"^--lora.alpha=-2.0: must be >= 0"),
-        (["--lora.rank", "4", "--parallel.dp-shard", "2"], r"^--lora.rank=4: LoRA runs on one process for now"),
+        (["--recipe", "dpo-debug", "--parallel.dp-shard", "2"], r"^--data.preference='task:format': DPO runs on one "),
         (["--parallel.pp", "2", "--compile", "False"],
          r"^--parallel.pp=2: --data.chat: packed conversations do not run through pipeline"),
         (["--dpo.beta", "0"], r"^--dpo.beta=0.0: must be > 0$"),
