@@ -109,8 +109,9 @@ def _messages(record: Any) -> list[dict[str, str]]:
     return out
 
 
-def read_conversations(path: str | Path) -> Iterator[Conversation]:
-    """Yield the conversations of a JSONL file in order; a malformed line raises ``ValueError("file:line: ...")``."""
+def jsonl_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """``("file:line", parsed record)`` of each non-blank line of a JSONL file, in order; a line that is not
+    JSON raises ``ValueError("file:line: not valid JSON (...)")``."""
     path = Path(path)
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -121,11 +122,17 @@ def read_conversations(path: str | Path) -> Iterator[Conversation]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e})") from e
-            try:
-                messages = _messages(record)
-            except ValueError as e:
-                raise ValueError(f"{where}: {e}") from None
-            yield Conversation(tuple(messages), where)
+            yield where, record
+
+
+def read_conversations(path: str | Path) -> Iterator[Conversation]:
+    """Yield the conversations of a JSONL file in order; a malformed line raises ``ValueError("file:line: ...")``."""
+    for where, record in jsonl_records(path):
+        try:
+            messages = _messages(record)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        yield Conversation(tuple(messages), where)
 
 
 # ---------------------------------------------------------------------------------------------- templates

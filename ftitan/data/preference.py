@@ -28,7 +28,6 @@ assistant turns inside it, carries no log-prob. A row of ``seq_len`` positions h
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftitan.data.chat import ROLES, ChatTemplate, _char_mask_cumsum, render_chat
+from ftitan.data.chat import ROLES, ChatTemplate, _char_mask_cumsum, jsonl_records, render_chat
 
 __all__ = [
     "PreferencePair", "PreferenceRecord", "collate_preferences", "encode_preference", "encode_preferences",
@@ -135,17 +134,8 @@ def parse_preferences(records: Iterable[Any], origin: str = "<records>") -> Iter
 
 def read_preferences(path: str | Path) -> Iterator[PreferenceRecord]:
     """The pairs of a JSONL file in order; a malformed line raises ``ValueError("file:line: ...")``."""
-    path = Path(path)
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from e
-            yield parse_preference(record, where)
+    for where, record in jsonl_records(path):
+        yield parse_preference(record, where)
 
 
 # ---------------------------------------------------------------------------------------------- encoding
