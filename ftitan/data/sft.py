@@ -46,7 +46,7 @@ __all__ = ["EVAL_EVERY", "PREFERENCE_TASKS", "TASK_PREFIX", "TASK_TRAIN_ITEMS", 
            "chat_template_of", "preference_records", "prepare_chat", "prepare_preferences"]  # fmt: skip
 
 TASK_PREFIX = "task:"
-TASK_TRAIN_ITEMS = 20_000  # training conversations a synthetic task makes (the loader cycles over them)
+TASK_TRAIN_ITEMS = 8_000  # training conversations a synthetic task makes (the loader cycles over them)
 EVAL_EVERY = 20  # of a file's conversations, every EVAL_EVERY-th is held out
 TEMPLATE_FILE = "chat_template.jinja"  # the run's template, kept in its directory (and exported by convert)
 PREFERENCE_ITEMS = 2_000  # pairs a synthetic preference task makes

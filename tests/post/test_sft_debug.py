@@ -16,6 +16,7 @@ import transformers
 
 from ftitan.__main__ import main
 from ftitan.data import tasks
+from ftitan.data.sft import TASK_TRAIN_ITEMS
 
 
 def _run(tmp_path, *flags: str) -> list[dict]:
@@ -48,7 +49,7 @@ def test_short_sft_debug_learns_the_format_and_converts(tmp_path):
     trained = [r for r in records if "eval.parse_rate" in r][-1]
     assert untrained["step"] == 0 and untrained["eval.parse_rate"] == 0.0 and untrained["eval.exact_match"] == 0.0
     assert trained["step"] == 40 and trained["eval.parse_rate"] >= 0.9
-    assert records[0]["data.conversations"] == 20_000 and records[0]["data.fill"] > 0.9
+    assert records[0]["data.conversations"] == TASK_TRAIN_ITEMS and records[0]["data.fill"] > 0.9
     hf = _hf_scores(tmp_path / "hf", 50)
     assert hf["parse_rate"] >= 0.9  # the exported model, tokenizer and template answer in the task's format
     assert (tmp_path / "run" / "loss.png").is_file()
@@ -61,3 +62,17 @@ def test_sft_debug_reaches_half_exact_match(tmp_path):
     assert scores[0]["step"] == 0 and scores[0]["eval.exact_match"] == 0.0
     assert scores[-1]["step"] == 200 and scores[-1]["eval.exact_match"] >= 0.5
     assert _hf_scores(tmp_path / "hf", 200)["exact_match"] >= 0.5
+
+
+def test_sft_resume_sees_the_batches_of_an_uninterrupted_run(tmp_path):
+    flags = ["--recipe", "sft-debug", "--device", "cpu", "--compile", "False", "--log-every", "1", "--eval-every", "0",
+             "--ckpt-every", "2", "--data.task-eval-items", "0", "--optim.warmup", "1"]  # fmt: skip
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+    assert main(["train", *flags, "--steps", "4", "--run-dir", str(tmp_path / "straight")]) == 0
+    assert main(["train", *flags, "--steps", "2", "--run-dir", str(tmp_path / "cut")]) == 0
+    assert main(["train", *flags, "--steps", "4", "--run-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "cut")
+    assert len(straight) == 4 and resumed == straight  # packed rows from the restored loader position, bit for bit
