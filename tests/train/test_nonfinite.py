@@ -20,7 +20,7 @@ import torch
 
 from ftitan import tree
 from ftitan.checkpoint._layout import list_checkpoints, step_of
-from ftitan.train import trainer
+from ftitan.train import post, trainer
 from ftitan.train.faults import RunFailure
 from ftitan.train.losses import next_token_loss
 
@@ -47,7 +47,7 @@ def _poison(monkeypatch, steps: set[int], path: str = "layers.0.attn.wq") -> Non
 
         return loss
 
-    monkeypatch.setattr(trainer, "next_token_loss", poisoned)
+    monkeypatch.setattr(post, "loss_of", lambda cfg, model: poisoned(model))  # the trainer's objective
 
 
 def _cfg(base, *, steps: int, **optim):
