@@ -20,7 +20,6 @@ import torch
 from ftitan import random
 from ftitan.infer.cache import init_cache
 from ftitan.infer.fuse import fuse_projections
-from ftitan.models import lora
 from ftitan.infer.sampling import GREEDY, Sampling, sample
 from ftitan.infer.step import (
     DecodeFn,
@@ -31,6 +30,7 @@ from ftitan.infer.step import (
     make_greedy_decode,
     make_prefill,
 )
+from ftitan.models import lora
 
 __all__ = ["GREEDY_CHUNK", "MAX_SHAPES", "Compile", "Steps", "generate", "slots_for", "steps_for"]
 
@@ -140,7 +140,8 @@ def generate(
     padding: Padding = "left",
     compile: Compile = False,
     fuse: bool = True,
-) -> list[list[int]]:  # the new tokens of each prompt
+    logprobs: bool = False,
+) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:  # the new tokens of each prompt
     """Continue each prompt by up to ``max_new_tokens`` tokens (see the module docstring).
 
     ``sampling`` is one ``Sampling`` for every request or one per request;
@@ -151,7 +152,9 @@ def generate(
     :func:`slots_for` bucket of ``longest prompt + max_new_tokens``, so many models, batch sizes
     and prompt lengths in one process each compile once (the prefill runs eagerly). ``fuse``
     stacks the q/k/v and gate/up projections first (:func:`~ftitan.infer.fuse_projections`; pass
-    fused params to skip the copy).
+    fused params to skip the copy). ``logprobs=True`` also returns each new token's log-probability
+    under the model's raw distribution (``log_softmax`` of the float32 logits: temperature 1, before
+    top-k / top-p), what an RL trainer compares its own recomputation with.
     """
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
@@ -172,17 +175,21 @@ def generate(
     steps = steps_for(model, compile=compile)
     logits, cache = steps.prefill(params, tokens, cache, lengths=lengths, padding=padding)
     drawn: list[torch.Tensor] = []  # (B, n) chunks; read back once at the end unless EOS must be watched
+    scored: list[torch.Tensor] = []  # (B, 1) log-probs of the drawn tokens (logprobs=True)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=tokens.device)
     stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=tokens.device)
     made = 0
     while True:
-        if keys is None and made and steps.greedy is not None and max_new_tokens - made >= GREEDY_CHUNK:
+        chunked = keys is None and steps.greedy is not None and not logprobs  # argmax steps, no logits kept
+        if chunked and made and max_new_tokens - made >= GREEDY_CHUNK:
             chunk, logits, cache = steps.greedy(params, _last(drawn), cache)  # the next GREEDY_CHUNK tokens
         else:
             if made:
                 logits, cache = steps.decode_step(params, _last(drawn), cache)
             step_keys = None if keys is None else [random.fold_in(k, made) for k in keys]
             chunk = (logits.argmax(-1) if keys is None else sample(logits, step_keys, rows))[:, None]
+            if logprobs:
+                scored.append(torch.log_softmax(logits.float(), dim=-1).gather(1, chunk))  # (B, 1)
         drawn.append(chunk)
         made += chunk.shape[1]
         if stop:
@@ -191,8 +198,11 @@ def generate(
                 break
         if made >= max_new_tokens:
             break
-    out = torch.cat(drawn, dim=1).tolist()
-    return [_until_stop(row, stop) for row in out]
+    out = [_until_stop(row, stop) for row in torch.cat(drawn, dim=1).tolist()]
+    if not logprobs:
+        return out
+    lps = torch.cat(scored, dim=1).tolist()
+    return out, [lp[: len(row)] for row, lp in zip(out, lps, strict=True)]
 
 
 def _last(drawn: list[torch.Tensor]) -> torch.Tensor:  # (B,)
