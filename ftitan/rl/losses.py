@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ftitan.train.dpo import token_logprobs
+from ftitan.train.dpo import require_whole_vocab, token_logprobs
 from ftitan.train.losses import IGNORE_INDEX, _acc_dtype
 
 __all__ = [
@@ -129,17 +129,6 @@ def token_entropy(
     return torch.cat(out)
 
 
-def _refuse_vocab_parallel() -> None:
-    from ftitan.parallel import layout as parallel_layout  # here: ftitan.parallel imports ftitan.train
-
-    layout = parallel_layout.current()
-    if layout is not None and layout.axes_of("vocab"):
-        raise ValueError(
-            f"token_logprobs_and_entropy: the parallel layout splits the vocab over {layout.axes_of('vocab')}, "
-            f"and per-token log-probs need every logit of a token on one rank; drop the 'vocab' rule"
-        )
-
-
 def token_logprobs_and_entropy(
     model: Any,
     params: Any,
@@ -159,7 +148,7 @@ def token_logprobs_and_entropy(
     if inputs.shape != targets.shape or inputs.dim() != 2:
         raise ValueError(f"token_logprobs_and_entropy: inputs {tuple(inputs.shape)} and targets "
                          f"{tuple(targets.shape)} must both be (B, T)")  # fmt: skip
-    _refuse_vocab_parallel()
+    require_whole_vocab("token_logprobs_and_entropy")
     extra = {} if positions is None else {"positions": positions}
     h, _ = model.apply(params, inputs, logits=False, **extra)  # (B, T, D)
     h, w, t = h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1)

@@ -132,15 +132,16 @@ def token_logprobs(
     ])  # fmt: skip
 
 
-def _refuse_vocab_parallel() -> None:
+def require_whole_vocab(caller: str) -> None:
+    """Raise naming ``caller`` when the current parallel layout splits the vocab: per-token log-probs (DPO,
+    RL) need every logit of a token on one rank (the training loss is vocab-parallel; these are not yet)."""
     from ftitan.parallel import layout as parallel_layout  # here: ftitan.parallel imports ftitan.train
 
     layout = parallel_layout.current()
     if layout is not None and layout.axes_of("vocab"):
         raise ValueError(
-            f"completion_logprobs: the parallel layout splits the vocab over {layout.axes_of('vocab')}, and the "
-            f"per-sequence log-probs of DPO need every logit of a token on one rank; drop the 'vocab' rule "
-            f"(replicate the head) for preference training"
+            f"{caller}: the parallel layout splits the vocab over {layout.axes_of('vocab')}, and per-token "
+            f"log-probs need every logit of a token on one rank; drop the 'vocab' rule (replicate the head)"
         )
 
 
@@ -164,7 +165,7 @@ def completion_logprobs(
     if inputs.shape != targets.shape or inputs.dim() != 2:
         raise ValueError(f"completion_logprobs: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
                          f"must both be (B, T)")  # fmt: skip
-    _refuse_vocab_parallel()
+    require_whole_vocab("completion_logprobs")
     extra = {k: v for k, v in (("positions", positions), ("segments", segments)) if v is not None}
     h, _ = model.apply(params, inputs, logits=False, **extra)  # (B, T, D)
     logp = token_logprobs(h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1),
