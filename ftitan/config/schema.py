@@ -153,5 +153,6 @@ class TrainConfig:
     ckpt_every: int = 100  # steps between checkpoints (0: only at the end)
     keep: int = 3  # checkpoints kept (the newest K)
     compile: bool = True  # torch.compile the train step (fullgraph)
+    deterministic: bool = True  # torch.use_deterministic_algorithms during the run: bit-identical reruns, compiled too (inductor's CPU scatter-adds otherwise vary in the last bits)
     seed: int = 0  # seeds init and data order
     run_dir: str = "runs/{recipe}"  # where tokenizer, metrics, checkpoints and loss.png go
