@@ -1,6 +1,7 @@
 """``ftitan`` / ``python -m ftitan``: the command line.
 
     ftitan train --recipe NAME [--resume | --overwrite] [--model.n-layers 4 --optim.lr 1e-3 ...]
+    ftitan rl --recipe grpo-arith [--resume | --overwrite] [--rl.max-offpolicy-steps 1 ...]
     ftitan generate --run DIR --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S --n N]
     ftitan convert --run DIR --hf OUT          (a run's newest checkpoint -> an HF model directory)
     ftitan convert --hf DIR --run OUT          (an HF model directory -> a run directory at step 0)
@@ -8,6 +9,7 @@
     ftitan bench parallel [--nproc 4 --layouts dp_shard=4 dp_shard=2,tp=2 ... --out FILE]
     ftitan bench generate [--peers ... --batches 1 8 --out FILE]
     ftitan bench checkpoint [--state-mib 1024 --rounds 5 --out FILE]
+    ftitan bench rl [--recipe llama3-debug --rl-steps 12 --out FILE]
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ import tyro
 
 USAGE = """usage:
   ftitan train --recipe NAME [--resume | --overwrite] [dotted overrides]         (ftitan train --help)
+  ftitan rl --recipe NAME [--resume | --overwrite] [dotted overrides]            (ftitan rl --help)
   ftitan generate --run DIR --prompt TEXT [options]                                (ftitan generate --help)
   ftitan convert --run DIR --hf OUT | --hf DIR --run OUT                           (ftitan convert --help)
   ftitan bench step [options]                                                      (ftitan bench step --help)
   ftitan bench parallel [options]                                                  (ftitan bench parallel --help)
   ftitan bench generate [options]                                                  (ftitan bench generate --help)
-  ftitan bench checkpoint [options]                                                (ftitan bench checkpoint --help)"""
+  ftitan bench checkpoint [options]                                                (ftitan bench checkpoint --help)
+  ftitan bench rl [options]                                                        (ftitan bench rl --help)"""
 
 
 @attrs.frozen(kw_only=True)
@@ -155,6 +159,29 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
+def rl_main(argv: list[str]) -> int:
+    from ftitan.config import parse_train_args
+    from ftitan.rl.loop import rl_train
+
+    resume, overwrite = "--resume" in argv, "--overwrite" in argv
+    cfg = None
+    try:
+        cfg = parse_train_args([a for a in argv if a not in ("--resume", "--overwrite")], prog="ftitan rl", rl=True)
+        out = rl_train(cfg, resume=resume, overwrite=overwrite)
+    except Exception as e:  # a bad setting, file or machine: one line naming it and the fix, no traceback
+        if not user_error(e):
+            raise
+        return _report("ftitan rl", e, cfg)
+    rewards = [r["reward"] for r in out["records"] if "reward" in r]
+    held = [r["eval.reward"] for r in out["records"] if "eval.reward" in r]
+    first, last = rewards[:10], rewards[-10:]
+    print(f"done: {cfg.steps} RL steps, mean reward {sum(first) / max(len(first), 1):.3f} over the first "
+          f"{len(first)} and {sum(last) / max(len(last), 1):.3f} over the last {len(last)}"
+          + (f", held-out reward {held[0]:.3f} -> {held[-1]:.3f}" if held else ""))  # fmt: skip
+    print(f"run directory: {out['run_dir']} (reward.png, metrics.jsonl, tensorboard/, checkpoints/, sft/)")
+    return 0
+
+
 def generate_main(argv: list[str]) -> int:
     from ftitan import random
     from ftitan.infer import Sampling, generate
@@ -192,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         return train_main(argv[1:])
+    if argv[:1] == ["rl"]:
+        return rl_main(argv[1:])
     if argv[:1] == ["generate"]:
         return generate_main(argv[1:])
     if argv[:1] == ["convert"]:
@@ -212,6 +241,10 @@ def _dispatch(argv: list[str]) -> int:
         from ftitan.bench.checkpoint import main as bench_checkpoint
 
         return bench_checkpoint(argv[2:])
+    if argv[:2] == ["bench", "rl"]:
+        from ftitan.bench.rl import main as bench_rl
+
+        return bench_rl(argv[2:])
     print(USAGE, file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

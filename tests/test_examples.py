@@ -111,3 +111,13 @@ def test_sft_lora_example_runs_all_three_steps():
     assert losses["dpo"][-1] < losses["dpo"][0], out.stdout  # and DPO moves toward the preferred style
     parse = [float(x) for x in re.findall(r"parse rate (\d\.\d+)", out.stdout)]
     assert parse[0] == 0.0 and parse[1] > 0.5, out.stdout  # the untrained model's answers never parse
+
+
+def test_grpo_example_raises_the_reward():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "grpo.py"), "--rl-steps", "40", "--no-compile"],
+        capture_output=True, text=True, check=True, timeout=600,
+    ).stdout
+    rewards = [float(x) for x in re.findall(r"reward (\d+\.\d+)", out)]
+    assert len(rewards) == 40 and "sft: 70 steps" in out, out
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.1, out  # GRPO visibly learns

@@ -35,11 +35,12 @@ __all__ = ["IDENTITY", "RunDir", "RunDirError", "load_run"]
 CONFIG_FILE = "config.json"
 # what a run trains and on what: a run directory holds one such run (--resume may change the rest:
 # steps, intervals, optimizer, parallel layout, device, precision, compile)
-IDENTITY = ("model", "data", "seed", "init", "lora")
+IDENTITY = ("model", "data", "seed", "init", "lora", "rl.env", "rl.sft_steps", "rl.sft_lr", "rl.init_run",
+            "rl.group_size", "rl.prompts", "rl.max_new_tokens", "rl.max_offpolicy_steps")
 # what `ftitan train` writes into a run directory, all of which --overwrite deletes (nothing else)
 WRITTEN = ("checkpoints", "metrics.jsonl", "tensorboard", "loss.png", "train_tokens.npy", "eval_tokens.npy",
            "tokenizer.json", "tokenizer_size.json", "tokenizer_config.json", "special_tokens_map.json",
-           "generation_config.json", "chat_template.jinja", CONFIG_FILE)  # fmt: skip
+           "generation_config.json", "chat_template.jinja", "reward.png", "sft", CONFIG_FILE)  # fmt: skip
 
 
 class RunDirError(ValueError):
@@ -70,10 +71,16 @@ def _flag(path: str) -> str:
     return "--" + path.replace("_", "-")
 
 
+def _get(d: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
 def identity_differences(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """``["--data.seq-len: 256 in the run, 128 now", ...]``: the IDENTITY fields two configs differ in."""
-    a = {k: v for s in IDENTITY for k, v in _flat(saved.get(s), s).items()}
-    b = {k: v for s in IDENTITY for k, v in _flat(new.get(s), s).items()}
+    a = {k: v for s in IDENTITY for k, v in _flat(_get(saved, s), s).items()}
+    b = {k: v for s in IDENTITY for k, v in _flat(_get(new, s), s).items()}
     return [f"{_flag(k)}: {a.get(k)!r} in the run, {b.get(k)!r} now" for k in sorted(a.keys() | b.keys())
             if a.get(k) != b.get(k)]  # fmt: skip
 
@@ -214,8 +221,13 @@ def load_run(run_dir: str | Path, *, device: Any = None) -> tuple[TrainConfig, A
     model = post.model_of(cfg)  # a LoRA run: {"base", "lora"} params (ftitan.models.lora.merge for the base's)
     params = model.init(random.key(cfg.seed), device="meta")  # the structure to restore into
     opt = post.optimizer_of(cfg, model, params)
-    whole = {"state": init_state(params, opt, trainable=post.trainable_of(cfg)),
-             "loader": pipeline.loader_state_like(cfg)}  # fmt: skip
+    whole: dict[str, Any] = {"state": init_state(params, opt, trainable=post.trainable_of(cfg))}
+    if cfg.rl.env:  # an RL run: its generator step, reference and rollout queue (ftitan.rl.loop)
+        from ftitan.rl.loop import rl_state_like
+
+        whole["rl"] = rl_state_like(cfg, params)
+    else:
+        whole["loader"] = pipeline.loader_state_like(cfg)
     # only the params are read (not the optimizer state), each leaf from whatever ranks wrote it
     restored, manifest = load(newest, {"state": {"params": params}}, whole=whole)
     params = restored["state"]["params"]

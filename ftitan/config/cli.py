@@ -33,15 +33,16 @@ from ftitan.config.recipes import RECIPES, get_recipe
 from ftitan.config.schema import TrainConfig
 from ftitan.config.validate import validate
 
-__all__ = ["DEFAULT_RECIPE", "from_hf_checkpoint", "parse_train_args"]
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_RL_RECIPE", "from_hf_checkpoint", "parse_train_args"]
 
 DEFAULT_RECIPE = "llama3-debug"
+DEFAULT_RL_RECIPE = "grpo-arith"
 _TYRO_CONFIG = (tyro.conf.FlagConversionOff, tyro.conf.AvoidSubcommands)
 
 
-def _split_recipe(argv: Sequence[str]) -> tuple[str, list[str]]:
+def _split_recipe(argv: Sequence[str], default: str = DEFAULT_RECIPE) -> tuple[str, list[str]]:
     """Pull ``--recipe NAME`` / ``--recipe=NAME`` out of ``argv``; the last one wins."""
-    name, rest, args = DEFAULT_RECIPE, [], list(argv)
+    name, rest, args = default, [], list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
@@ -85,15 +86,17 @@ def from_hf_checkpoint(base: TrainConfig, directory: str, *, tokenizer: bool = T
     return attrs.evolve(base, model=model, data=data, init=attrs.evolve(base.init, hf=str(directory)))
 
 
-def parse_train_args(argv: Sequence[str], *, prog: str | None = None) -> TrainConfig:
+def parse_train_args(argv: Sequence[str], *, prog: str | None = None, rl: bool = False) -> TrainConfig:
     """Build the run ``argv`` asks for: recipe, then dotted overrides, then ``validate``.
 
     ``--recipe`` defaults to ``llama3-debug``. ``--init.hf DIR`` starts from an HF checkpoint: the
     model is DIR's architecture (``--model.*`` flags still override it) and the data uses DIR's
     tokenizer unless ``--data.tokenizer`` says otherwise. Raises ``ValueError`` for an unknown recipe
     or a failed check; tyro raises ``SystemExit`` (2 for a bad flag, 0 after ``--help``).
+    ``rl=True`` (``ftitan rl``): the recipe must be an RL run (``rl.env`` set; default ``grpo-arith``), and
+    ``ftitan train`` refuses one.
     """
-    name, rest = _split_recipe(argv)
+    name, rest = _split_recipe(argv, DEFAULT_RL_RECIPE if rl else DEFAULT_RECIPE)
     base = get_recipe(name)
     if (hf_dir := _flag_value(rest, "--init.hf")) is not None and hf_dir:
         base = from_hf_checkpoint(base, hf_dir, tokenizer=_flag_value(rest, "--data.tokenizer") is None)
@@ -102,4 +105,9 @@ def parse_train_args(argv: Sequence[str], *, prog: str | None = None) -> TrainCo
         "Flags below override its fields."
     )
     cfg = tyro.cli(TrainConfig, default=base, args=rest, prog=prog, description=description, config=_TYRO_CONFIG)
+    if rl and not cfg.rl.env:
+        raise ValueError(f"--recipe {name!r} is not an RL run (no --rl.env); use an RL recipe "
+                         f"({', '.join(n for n in sorted(RECIPES) if RECIPES[n]().rl.env)}) or pass --rl.env NAME")  # fmt: skip
+    if not rl and cfg.rl.env:
+        raise ValueError(f"--recipe {name!r} is an RL run (--rl.env {cfg.rl.env}); run it with `ftitan rl`")
     return validate(cfg)

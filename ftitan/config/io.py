@@ -19,6 +19,7 @@ from ftitan.config.schema import (
     MixedPrecisionConfig,
     OptimConfig,
     ParallelConfig,
+    RLConfig,
     TrainConfig,
 )
 from ftitan.models import registry
@@ -27,7 +28,7 @@ __all__ = ["config_from_dict", "config_to_dict"]
 
 _SECTIONS = {"optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig,
              "mixed_precision": MixedPrecisionConfig, "init": InitConfig, "checkpoint": CheckpointConfig,
-             "lora": LoRAConfig, "dpo": DPOConfig}  # fmt: skip
+             "lora": LoRAConfig, "dpo": DPOConfig, "rl": RLConfig}  # fmt: skip
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from ftitan.config.schema import DataConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, TrainConfig
+from ftitan.config.schema import DataConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, RLConfig, TrainConfig
 from ftitan.config.transforms import compose, with_dim, with_layers, with_max_seq_len, with_vocab
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
@@ -236,3 +236,47 @@ def sft() -> TrainConfig:
         steps=200, eval_every=50, eval_batches=4, ckpt_every=100,
     )  # fmt: skip
 
+
+
+@recipe("grpo-arith")
+def grpo_arith() -> TrainConfig:
+    """GRPO with no files at all (``ftitan rl``): sft-debug's tiny Llama first learns the format of a synthetic
+    arithmetic task by a short SFT stage on its demonstrations (``RUN/sft``), then GRPO raises its reward:
+    8 prompts x 8 samples a step, exact-match rewards, group-normalized advantages, DAPO's clip-higher and
+    token-mean loss, truncated importance sampling for the generator/trainer mismatch."""
+    model = sft_debug().model
+    return TrainConfig(
+        recipe="grpo-arith",
+        model=model,
+        optim=OptimConfig(name="adamw", lr=3e-4, warmup=5, schedule="constant", weight_decay=0.0),
+        data=DataConfig(vocab_size=model.vocab_size, seq_len=64, batch_size=16),
+        rl=RLConfig(env="sort", sft_steps=55, sft_lr=3e-3, group_size=8, prompts=8, max_new_tokens=16),
+        steps=100, eval_every=25, ckpt_every=50, log_every=1,
+    )  # fmt: skip
+
+
+@recipe("grpo-tools")
+def grpo_tools() -> TrainConfig:
+    """Multi-turn tool use (``ftitan rl``, environment ``prices``): the policy looks a price up with
+    ``<tool>lookup: pear</tool>``, multiplies with ``<tool>calculator: 7 * 3</tool>`` and answers; each tool
+    result comes back as a ``tool`` turn that is never trained on. A short SFT stage on solved episodes
+    teaches the call syntax first."""
+    base = grpo_arith()
+    model = compose(with_vocab(512), with_max_seq_len(256))(base.model)  # the tool help makes prompts long
+    return attrs.evolve(
+        base, model=model,
+        data=attrs.evolve(base.data, vocab_size=512, seq_len=256, batch_size=8),
+        rl=attrs.evolve(base.rl, env="prices", sft_steps=60, max_new_tokens=20, prompts=4),
+    )  # fmt: skip
+
+
+@recipe("grpo-moe")
+def grpo_moe() -> TrainConfig:
+    """``grpo-arith`` on a tiny Qwen3-MoE (8 experts, top-2), with GRPO's k3 KL to the frozen SFT policy
+    (``--rl.kl-coef 0.05``): 100 steps with finite losses, the KL to the reference below
+    ``--rl.kl-bound 0.5`` throughout (a step above it warns)."""
+    base = grpo_arith()
+    model = compose(with_layers(2), with_vocab(300), with_dim(128, ffn_dim=384), with_max_seq_len(128))(
+        qwen3_moe.Config.debug())
+    model = attrs.evolve(model, expert_dim=96)
+    return attrs.evolve(base, model=model, steps=100, rl=attrs.evolve(base.rl, kl_coef=0.05, kl_bound=0.5))

@@ -15,7 +15,7 @@ from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 from ftitan.parallel.dims import ParallelDims
 
 __all__ = ["CheckpointConfig", "DPOConfig", "DataConfig", "InitConfig", "LoRAConfig", "MixedPrecisionConfig",
-           "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig"]  # fmt: skip
+           "ModelConfig", "OptimConfig", "ParallelConfig", "RLConfig", "TrainConfig"]  # fmt: skip
 
 # every trainable family's config; a recipe picks one and its fields become --model.* flags
 # (named for tyro, whose default names would collide: every family's class is called Config)
@@ -122,6 +122,32 @@ class DPOConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RLConfig:
+    """Reinforcement learning from verifiable rewards (``ftitan rl``): GRPO / DAPO on an environment."""
+
+    env: str = ""  # the environment (ftitan.rl.ENVS: add, sort, reverse, countdown, prices); "": not an RL run
+    sft_steps: int = 0  # a short SFT stage on the environment's demonstrations first (in RUN_DIR/sft), then RL from it
+    sft_lr: float = 3e-3  # the SFT stage's peak learning rate (AdamW, warmup, cosine)
+    init_run: str = ""  # start from another run directory's newest checkpoint (its model, tokenizer and chat template)
+    group_size: int = 8  # samples per prompt (G)
+    prompts: int = 8  # prompts per step (P): a step trains on P * G samples
+    max_new_tokens: int = 24  # tokens a sample (a turn, in a tool episode) may generate
+    clip_low: float = 0.2  # the ratio's lower clip: 1 - clip_low
+    clip_high: float = 0.28  # the ratio's upper clip: 1 + clip_high (DAPO clip-higher; PPO: 0.2)
+    loss_agg: str = "token-mean"  # "token-mean" (DAPO) or "seq-mean-token-mean" (GRPO)
+    advantage_scale: str = "std"  # "std" (GRPO: (r - mean) / std per group) or "none" (Dr. GRPO: r - mean)
+    kl_coef: float = 0.0  # k3 KL to the frozen initial policy (GRPO's beta; 0: no reference kept)
+    tis_cap: float = 2.0  # truncated importance sampling for the generator/trainer mismatch (0: off)
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts to refill
+    max_refills: int = 4  # dynamic sampling: extra generation rounds a step may take to fill its prompts
+    overlong_cache: int = 0  # DAPO soft overlong penalty over the last this many of max_new_tokens (0: off)
+    max_offpolicy_steps: int = 0  # 0: synchronous, on-policy; k >= 1: a generator thread samples ahead, rollouts up to k steps stale are trained on
+    generator: str = "native"  # "native" (ftitan.infer.generate) or "vllm" (the in-process vLLM engine)
+    eval_prompts: int = 100  # held-out prompts answered greedily at each evaluation (eval.reward)
+    kl_bound: float = 0.0  # the recipe's promise: the KL to the reference stays below this (0: none); a run above it warns
+
+
+@attrs.frozen(kw_only=True)
 class CheckpointConfig:
     """How checkpoints are written (how often and how many: --ckpt-every, --keep)."""
 
@@ -144,6 +170,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = CheckpointConfig()
     lora: LoRAConfig = LoRAConfig()
     dpo: DPOConfig = DPOConfig()
+    rl: RLConfig = RLConfig()
     device: str = "auto"  # "auto" (CUDA when available), "cpu" or "cuda" (under torchrun: cuda:LOCAL_RANK)
     steps: int = 400  # optimizer steps in total
     accum_steps: int = 1  # micro-batches per step (batch_size must divide by it)

@@ -286,6 +286,56 @@ def _check_post_training(cfg: TrainConfig) -> None:
         raise _fail("--dpo.label-smoothing", dpo.label_smoothing, "applies to --dpo.loss-type sigmoid only")
 
 
+RL_AGGS = ("token-mean", "seq-mean-token-mean")
+
+
+def _check_rl(cfg: TrainConfig) -> None:
+    """``ftitan rl`` (--rl.*)."""
+    rl = cfg.rl
+    if not rl.env:
+        return
+    from ftitan.rl.envs import ENVS
+
+    if rl.env not in ENVS:
+        raise _fail("--rl.env", rl.env, f"no such environment; known: {', '.join(sorted(ENVS))}")
+    if not rl.sft_steps and not rl.init_run:
+        raise _fail("--rl.sft-steps", rl.sft_steps, "RL starts from a policy: pass --rl.sft-steps N (an SFT stage on "
+                    "the environment's demonstrations first) or --rl.init-run DIR (a run's checkpoint, e.g. a "
+                    "sft-debug run)")  # fmt: skip
+    if rl.init_run and not (Path(rl.init_run) / "checkpoints").is_dir():
+        raise _fail("--rl.init-run", rl.init_run, "no run directory with checkpoints there; pass a directory "
+                    "`ftitan train` wrote")  # fmt: skip
+    if rl.sft_steps < 0:
+        raise _fail("--rl.sft-steps", rl.sft_steps, "must be >= 0")
+    if rl.group_size < 2 and rl.advantage_scale == "std":
+        raise _fail("--rl.group-size", rl.group_size, "group-normalized advantages need >= 2 samples per prompt")
+    for flag, value in (("--rl.prompts", rl.prompts), ("--rl.max-new-tokens", rl.max_new_tokens),
+                        ("--rl.group-size", rl.group_size)):  # fmt: skip
+        if value < 1:
+            raise _fail(flag, value, "must be >= 1")
+    if rl.loss_agg not in RL_AGGS:
+        raise _fail("--rl.loss-agg", rl.loss_agg, f"expected one of {RL_AGGS}")
+    if rl.advantage_scale not in ("std", "none"):
+        raise _fail("--rl.advantage-scale", rl.advantage_scale, "expected 'std' (GRPO) or 'none' (Dr. GRPO)")
+    if not 0 <= rl.clip_low < 1 or rl.clip_high < 0:
+        raise _fail("--rl.clip-low", rl.clip_low, "clip_low must be in [0, 1) and --rl.clip-high >= 0")
+    if rl.kl_coef < 0 or rl.tis_cap < 0:
+        raise _fail("--rl.kl-coef", rl.kl_coef, "--rl.kl-coef and --rl.tis-cap must be >= 0")
+    if not 0 <= rl.overlong_cache <= rl.max_new_tokens:
+        raise _fail("--rl.overlong-cache", rl.overlong_cache, f"must be in [0, --rl.max-new-tokens={rl.max_new_tokens}]")
+    if rl.max_offpolicy_steps < 0:
+        raise _fail("--rl.max-offpolicy-steps", rl.max_offpolicy_steps, "must be >= 0 (0: synchronous)")
+    if rl.generator != "native":
+        raise _fail("--rl.generator", rl.generator, "only 'native' (ftitan.infer.generate) runs the RL loop for now")
+    if cfg.parallel.world_size > 1:
+        raise _fail("--parallel", "degrees > 1", "ftitan rl runs on one process for now; drop the --parallel.* degrees")
+    if cfg.lora.rank:
+        raise _fail("--lora.rank", cfg.lora.rank, "ftitan rl trains full weights for now; drop --lora.rank")
+    if cfg.data.chat or cfg.data.preference:
+        raise _fail("--data.chat", cfg.data.chat or cfg.data.preference, "an RL run's data is its environment "
+                    "(--rl.env); drop --data.chat / --data.preference")  # fmt: skip
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check a run; return it unchanged, or raise ``ValueError("--flag=value: fix")``."""
     _check_finite(cfg)
@@ -296,6 +346,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_data(cfg)
     _check_parallel(cfg)
     _check_post_training(cfg)
+    _check_rl(cfg)
     _check_checkpoint(cfg)
     _check_cross(cfg)
     _check_run_dir(cfg)

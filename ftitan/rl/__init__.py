@@ -1,9 +1,11 @@
 """Reinforcement learning from verifiable rewards: GRPO / DAPO losses, environments, rollouts."""
 
+from ftitan.rl.asynchronous import AsyncRollouts, Ledger
 from ftitan.rl.envs import (
     ENVS,
     EpisodeState,
     Prompt,
+    demonstrations,
     SingleTurnEnv,
     ToolEnv,
     episode_tokens,
@@ -19,10 +21,18 @@ from ftitan.rl.losses import (
     policy_loss,
     token_logprobs_and_entropy,
 )
-from ftitan.rl.rollout import Rollouts, rollout, rows_of
+from ftitan.rl.loop import collect, rl_train
+from ftitan.rl.rollout import Rollouts, episode_rollout, rollout, rows_of, sequence_rows
 
 __all__ = [
+    "AsyncRollouts",
     "ENVS",
+    "Ledger",
+    "collect",
+    "demonstrations",
+    "episode_rollout",
+    "rl_train",
+    "sequence_rows",
     "EpisodeState",
     "Prompt",
     "Rollouts",

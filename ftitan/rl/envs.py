@@ -65,7 +65,7 @@ from ftitan.data.tasks import SPLITS, TASKS, parse_answer, reference_answer, spl
 
 __all__ = [
     "ENVS", "EpisodeState", "Prompt", "SingleTurnEnv", "Tool", "ToolEnv", "answer_reward", "calculator",
-    "countdown_reward", "episode_tokens", "evaluate_arithmetic", "from_task", "lookup_tool", "price_prompts",
+    "countdown_reward", "demonstrations", "episode_tokens", "evaluate_arithmetic", "from_task", "lookup_tool", "price_prompts",
     "run_episode", "single_turn", "user_prompt",
 ]  # fmt: skip
 
@@ -287,7 +287,15 @@ def _prices(rng: random.Random) -> Prompt:
     fruit, times = rng.choice(fruits), rng.randint(2, 9)
     question = f"What is the price of {fruit} times {times}? Use the tools."
     return Prompt(({"role": "user", "content": f"{question}\n{TOOL_HELP}"},), str(int(store[fruit]) * times),
-                  {"question": question, "store": store})  # fmt: skip
+                  {"question": question, "store": store, "fruit": fruit, "times": times})  # fmt: skip
+
+
+def _prices_demo(prompt: Prompt) -> list[str]:
+    """How a ``prices`` question is solved with the tools: look the price up, multiply, answer."""
+    fruit, times = prompt.info["fruit"], prompt.info["times"]
+    price = prompt.info["store"][fruit]
+    return [f"<tool>lookup: {fruit}</tool>", f"<tool>calculator: {price} * {times}</tool>",
+            f"The answer is {prompt.answer}."]  # fmt: skip
 
 
 # the split hashes the question without TOOL_HELP, so changing the help text keeps the splits
@@ -338,6 +346,7 @@ class ToolEnv(NamedTuple):
     max_turns: int = 4  # assistant turns before the episode ends with reward 0
     prompts: Callable[..., list[Prompt]] = price_prompts  # (n, *, seed, split) -> prompts
     reward: Callable[[str, Prompt], float] = answer_reward  # of the final answer's text
+    demo: Callable[[Prompt], Sequence[str]] | None = _prices_demo  # a solving episode's assistant turns (for SFT)
 
     def reset(self, prompt: Prompt) -> EpisodeState:
         return EpisodeState(prompt, tuple(prompt.messages))
@@ -380,6 +389,28 @@ def episode_tokens(messages: Sequence[dict[str, str]], template: ChatTemplate, t
     enc = encode_chat(messages, template, tokenizer, seq_len=sys.maxsize if seq_len is None else seq_len,
                       where="<episode>")  # fmt: skip
     return enc.ids, enc.mask
+
+
+def demonstrations(env: SingleTurnEnv | ToolEnv, n: int, *, seed: int) -> list[tuple[dict[str, str], ...]]:
+    """``n`` solved conversations of ``env``'s train split, to warm a policy up by SFT (``ftitan rl
+    --rl.sft-steps``): a single-turn prompt answered ``"The answer is <answer>."``, a tool episode played
+    through ``env.step`` with ``env.demo``'s turns (the tool results are the tools' own)."""
+    prompts = env.prompts(n, seed=seed, split="train")
+    if isinstance(env, SingleTurnEnv):
+        return [(*p.messages, {"role": "assistant", "content": f"The answer is {p.answer}."}) for p in prompts]
+    if env.demo is None:
+        raise ValueError("demonstrations: this ToolEnv has no demo(prompt) -> assistant turns; give it one, or warm "
+                         "the policy up elsewhere (ftitan rl --rl.init-run DIR)")  # fmt: skip
+    out = []
+    for p in prompts:
+        state = env.reset(p)
+        for text in env.demo(p):
+            state, done, reward = env.step(state, text)
+        if not (state.done and state.reward == 1.0):
+            raise ValueError(f"demonstrations: env.demo's turns for {p.messages[-1]['content']!r:.60} do not solve "
+                             f"it (reward {state.reward}, done {state.done})")  # fmt: skip
+        out.append(state.messages)
+    return out
 
 
 ENVS: dict[str, SingleTurnEnv | ToolEnv] = {

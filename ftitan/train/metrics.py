@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MetricsSink", "Throughput", "plot_losses", "read_records", "to_record"]
+__all__ = ["MetricsSink", "Throughput", "plot_losses", "plot_rewards", "read_records", "to_record"]
 
 _MAX_LOGGED_LOADS = 4096  # larger expert grids (e.g. 58 x 384) are summarized by moe.max_load only
 
@@ -101,6 +101,40 @@ class Throughput:
         return rate
 
 
+def _save(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def plot_rewards(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """An RL run's mean reward per step (and its 10-step moving mean) and the held-out greedy reward, against
+    step; written atomically to ``path`` (a PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    pts = [(r["step"], r["reward"]) for r in records if "reward" in r]
+    if pts:
+        steps, rewards = zip(*pts)
+        ax.plot(steps, rewards, alpha=0.35, label="train (samples)")
+        smooth = [sum(rewards[max(0, i - 9): i + 1]) / len(rewards[max(0, i - 9): i + 1]) for i in range(len(rewards))]
+        ax.plot(steps, smooth, label="train, 10-step mean")
+    held = [(r["step"], r["eval.reward"]) for r in records if "eval.reward" in r]
+    if held:
+        ax.plot(*zip(*held), "s-", label="held-out (greedy)")
+    ax.set(xlabel="step", ylabel="mean reward", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    _save(fig, path)
+
+
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
     """Train and held-out loss against step (and a synthetic task's exact match and parse rate, on a second
     axis), written atomically to ``path`` (a PNG)."""
@@ -127,8 +161,4 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
                 right.plot(*zip(*pts), style, color="tab:green", label=key.removeprefix("eval."))
         right.set(ylabel="share of held-out answers", ylim=(0, 1))
         right.legend(loc="upper right")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
