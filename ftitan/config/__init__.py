@@ -11,6 +11,7 @@ from ftitan.config.recipes import RECIPES, get_recipe, recipe
 from ftitan.config.schema import DataConfig, OptimConfig, TrainConfig
 from ftitan.config.transforms import (
     ModelTransform,
+    batch_invariant,
     compose,
     with_attn_impl,
     with_dim,
@@ -28,6 +29,7 @@ __all__ = [
     "ModelTransform",
     "OptimConfig",
     "TrainConfig",
+    "batch_invariant",
     "compose",
     "config_from_dict",
     "config_to_dict",

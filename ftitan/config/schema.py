@@ -137,12 +137,13 @@ class RLConfig:
     loss_agg: str = "token-mean"  # "token-mean" (DAPO) or "seq-mean-token-mean" (GRPO)
     advantage_scale: str = "std"  # "std" (GRPO: (r - mean) / std per group) or "none" (Dr. GRPO: r - mean)
     kl_coef: float = 0.0  # k3 KL to the frozen initial policy (GRPO's beta; 0: no reference kept)
-    tis_cap: float = 2.0  # truncated importance sampling for the generator/trainer mismatch (0: off)
+    tis_cap: float = 2.0  # truncated importance sampling for the generator/trainer mismatch (0: off; unused in batch-invariant mode)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more prompts to refill
     max_refills: int = 4  # dynamic sampling: extra generation rounds a step may take to fill its prompts
     overlong_cache: int = 0  # DAPO soft overlong penalty over the last this many of max_new_tokens (0: off)
     max_offpolicy_steps: int = 0  # 0: synchronous, on-policy; k >= 1: a generator thread samples ahead, rollouts up to k steps stale are trained on
     generator: str = "native"  # "native" (ftitan.infer.generate) or "vllm" (the in-process vLLM engine)
+    batch_invariant: bool = False  # the model in batch-invariant mode: the generator's log-probs equal the trainer's bit for bit
     eval_prompts: int = 100  # held-out prompts answered greedily at each evaluation (eval.reward)
     kl_bound: float = 0.0  # the recipe's promise: the KL to the reference stays below this (0: none); a run above it warns
 

@@ -22,6 +22,7 @@ import attrs
 
 __all__ = [
     "ModelTransform",
+    "batch_invariant",
     "compose",
     "model_error",
     "with_attn_impl",
@@ -79,8 +80,23 @@ def with_max_seq_len(n: int) -> ModelTransform:
 
 
 def with_attn_impl(impl: str) -> ModelTransform:
-    """Transform choosing the attention kernel ("sdpa" or "math")."""
+    """Transform choosing the attention kernel ("sdpa", "math", or "batch_invariant": see :func:`batch_invariant`)."""
     return with_model_fields(attn_impl=impl)
+
+
+def batch_invariant(cfg: Any) -> Any:
+    """``cfg`` in the batch-invariant mode (``attn_impl="batch_invariant"``): every matmul, norm, softmax,
+    attention and MoE routing/combination of the model, its output head and the log-probs of
+    ``ftitan.infer.generate`` and ``ftitan.rl.token_logprobs_and_entropy`` reduce in an order that does
+    not depend on batch size, padding, prefill vs decode or the KV length (``ftitan.nn.invariant``), so
+    the generator's log-prob of a sampled token equals the trainer's recomputation bit for bit.
+    A transform itself (``compose(with_layers(2), batch_invariant)``); slower than the default ops.
+
+    >>> from ftitan.models import llama
+    >>> batch_invariant(llama.Config.debug()).attn_impl
+    'batch_invariant'
+    """
+    return with_attn_impl("batch_invariant")(cfg)
 
 
 def compose(*fns: ModelTransform) -> ModelTransform:

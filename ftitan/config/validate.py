@@ -325,8 +325,12 @@ def _check_rl(cfg: TrainConfig) -> None:
         raise _fail("--rl.overlong-cache", rl.overlong_cache, f"must be in [0, --rl.max-new-tokens={rl.max_new_tokens}]")
     if rl.max_offpolicy_steps < 0:
         raise _fail("--rl.max-offpolicy-steps", rl.max_offpolicy_steps, "must be >= 0 (0: synchronous)")
-    if rl.generator != "native":
-        raise _fail("--rl.generator", rl.generator, "only 'native' (ftitan.infer.generate) runs the RL loop for now")
+    if rl.generator not in ("native", "vllm"):
+        raise _fail("--rl.generator", rl.generator, "expected 'native' (ftitan.infer.generate) or 'vllm' (the "
+                    "in-process vLLM engine)")  # fmt: skip
+    if rl.generator == "vllm" and rl.max_offpolicy_steps:
+        raise _fail("--rl.generator", rl.generator, "the vLLM generator runs synchronously for now; use "
+                    "--rl.max-offpolicy-steps 0, or --rl.generator native for async rollouts")  # fmt: skip
     if cfg.parallel.world_size > 1:
         raise _fail("--parallel", "degrees > 1", "ftitan rl runs on one process for now; drop the --parallel.* degrees")
     if cfg.lora.rank:

@@ -88,7 +88,12 @@ class KVCache(NamedTuple):
         key_slot = torch.arange(s, device=k.device)
         mask = (key_slot >= self.start[:, None, None]) & (key_slot <= slot[:, :, None])  # (B, T, S)
         mask = mask | (key_slot == slot[:, :, None])  # a padding query (before start) sees itself
-        o = nn.attention(q, keys.to(q.dtype), values.to(q.dtype), impl=impl, causal=False, scale=scale, mask=mask)
+        ks, vs = keys, values
+        if impl == nn.invariant.IMPL:  # its reductions run in blocks from key 0: rotate each row's start there
+            logical = (self.start[:, None] + key_slot) % s  # (B, S): slot of the row's j-th key
+            ks, vs = (buf.gather(1, logical[:, :, None, None].expand_as(buf)) for buf in (keys, values))
+            mask = mask.gather(2, logical[:, None, :].expand_as(mask))
+        o = nn.attention(q, ks.to(q.dtype), vs.to(q.dtype), impl=impl, causal=False, scale=scale, mask=mask)
         layers = {**self.layers, str(layer): {"k": keys, "v": values}}
         return o, KVCache(layers, self.start, self.end)
 

@@ -31,6 +31,7 @@ from ftitan.infer.step import (
     make_prefill,
 )
 from ftitan.models import lora
+from ftitan.nn import invariant as nn_invariant
 
 __all__ = ["GREEDY_CHUNK", "MAX_SHAPES", "Compile", "Steps", "generate", "slots_for", "steps_for"]
 
@@ -154,7 +155,11 @@ def generate(
     stacks the q/k/v and gate/up projections first (:func:`~ftitan.infer.fuse_projections`; pass
     fused params to skip the copy). ``logprobs=True`` also returns each new token's log-probability
     under the model's raw distribution (``log_softmax`` of the float32 logits: temperature 1, before
-    top-k / top-p), what an RL trainer compares its own recomputation with.
+    top-k / top-p), what an RL trainer compares its own recomputation with. A model in the
+    batch-invariant mode (``ftitan.config.batch_invariant``) gives the same tokens and log-probs
+    for a request whatever the batch, padding or prompt lengths beside it, bit-equal to the
+    trainer's ``ftitan.rl.token_logprobs_and_entropy`` (``fuse`` is ignored: it keeps the
+    trainer's GEMM shapes).
     """
     if max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens={max_new_tokens} must be >= 1")
@@ -169,7 +174,9 @@ def generate(
     stop = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
     if isinstance(model.config, lora.Config):  # a LoRA model: decode the merged weights
         model, params = lora.merged_model(model, params)
-    params = fuse_projections(params) if fuse else params
+    invariant = nn_invariant.enabled(model.config)
+    # fusing changes a GEMM's width, and the batch-invariant mode's tiles fix the trainer's (unfused) ones
+    params = fuse_projections(params) if fuse and not invariant else params
     tokens, lengths = _pad(prompts, padding, params["embed"].device)
     cache = init_cache(model, params, batch=len(prompts), slots=slots_for(tokens.shape[1] + max_new_tokens))
     steps = steps_for(model, compile=compile)
@@ -187,9 +194,11 @@ def generate(
             if made:
                 logits, cache = steps.decode_step(params, _last(drawn), cache)
             step_keys = None if keys is None else [random.fold_in(k, made) for k in keys]
-            chunk = (logits.argmax(-1) if keys is None else sample(logits, step_keys, rows))[:, None]
-            if logprobs:
-                scored.append(torch.log_softmax(logits.float(), dim=-1).gather(1, chunk))  # (B, 1)
+            drawn_now = logits.argmax(-1) if keys is None else sample(logits, step_keys, rows, invariant=invariant)
+            chunk = drawn_now[:, None]
+            if logprobs:  # the batch-invariant mode: the trainer's own log-softmax (ftitan.train.dpo.token_logprobs)
+                log_softmax = nn_invariant.log_softmax if invariant else torch.log_softmax
+                scored.append(log_softmax(logits.float(), dim=-1).gather(1, chunk))  # (B, 1)
         drawn.append(chunk)
         made += chunk.shape[1]
         if stop:

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from ftitan import random
+from ftitan.nn import invariant as nn_invariant
 
 __all__ = ["GREEDY", "Sampling", "sample"]
 
@@ -44,7 +45,8 @@ class Sampling:
 GREEDY = Sampling(temperature=0.0)
 
 
-def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling]) -> tuple[torch.Tensor, torch.Tensor]:
+def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling], *, invariant: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per row: probabilities in descending order after temperature, top-k and top-p, and that order."""
     v = logits.shape[-1]
     temperature = torch.tensor([r.temperature or 1.0 for r in rows], device=logits.device)
@@ -52,7 +54,8 @@ def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling]) -> tuple[tor
     top_p = torch.tensor([r.top_p for r in rows], device=logits.device)
     ordered, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
     keep = torch.arange(v, device=logits.device) < top_k[:, None]
-    probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+    kept = ordered.masked_fill(~keep, float("-inf"))
+    probs = nn_invariant.softmax(kept, dim=-1) if invariant else torch.softmax(kept, dim=-1)
     # drop a token when the mass before it already reaches top_p (the most likely one always stays)
     keep = keep & (probs.cumsum(-1) - probs < top_p[:, None])
     return probs.masked_fill(~keep, 0.0), order
@@ -62,8 +65,12 @@ def sample(
     logits: torch.Tensor,  # (B, V)
     keys: Sequence[torch.Tensor] | None,  # one key per row (ftitan.random keys); None when every row is greedy
     sampling: Sampling | Sequence[Sampling] = GREEDY,
+    *,
+    invariant: bool = False,
 ) -> torch.Tensor:  # (B,) int64
-    """One token per row of ``logits``, by that row's ``Sampling`` (one for all rows, or one per row)."""
+    """One token per row of ``logits``, by that row's ``Sampling`` (one for all rows, or one per row).
+    ``invariant``: the softmax with a fixed-order sum (``ftitan.nn.invariant``), so a row draws the
+    same token whatever the batch (the batch-invariant mode)."""
     b = logits.shape[0]
     rows = [sampling] * b if isinstance(sampling, Sampling) else list(sampling)
     if len(rows) != b:
@@ -74,7 +81,7 @@ def sample(
         return greedy
     if keys is None or len(keys) != b:
         raise ValueError(f"sample: sampling needs one key per row ({b}), got {None if keys is None else len(keys)}")
-    probs, order = _filtered_probs(logits, rows)
+    probs, order = _filtered_probs(logits, rows, invariant=invariant)
     # one batched draw (vmap over the row keys: bit-equal to drawing each row's noise alone)
     row_keys = keys if isinstance(keys, torch.Tensor) else torch.stack(list(keys))
     noise = torch.func.vmap(lambda k: random.exponential(k, (logits.shape[-1],), device=logits.device))(row_keys)

@@ -31,7 +31,7 @@ DecodeFn = Callable[[Any, torch.Tensor, KVCache], tuple[torch.Tensor, KVCache]]
 def _next_logits(model: Any, params: Any, h: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # (B, V)
     """Logits of hidden state ``h[b, last[b]]`` of each row (B, T, D) -> (B, V): the head on B rows only."""
     rows = torch.arange(h.shape[0], device=h.device)
-    return nn.linear(h[rows, last], model.head(params))
+    return nn.linear(h[rows, last], model.head(params), invariant=nn.invariant.enabled(model.config))
 
 
 def _run(model: Any, params: Any, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, donate: bool
@@ -95,7 +95,7 @@ def make_decode_step(model: Any, *, donate: bool = False) -> DecodeFn:
     def decode_step(params: Any, token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         positions = (cache.end - cache.start)[:, None]  # (B, 1)
         h, cache = _run(model, params, token[:, None], positions, cache, donate)
-        logits = nn.linear(h[:, 0], model.head(params))
+        logits = nn.linear(h[:, 0], model.head(params), invariant=nn.invariant.enabled(model.config))
         return logits, KVCache(cache.layers, cache.start, cache.end + 1)
 
     return decode_step

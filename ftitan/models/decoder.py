@@ -18,6 +18,7 @@ import torch
 from ftitan import nn
 from ftitan.models import hf
 from ftitan.models.base import StageOut
+from ftitan.nn import invariant
 from ftitan.nn.attention import Attend, AttentionImpl
 from ftitan.parallel import activations as par
 from ftitan.parallel.layout import current
@@ -132,29 +133,31 @@ def attention(
     x = par.column_input(x)  # tensor parallel: the block's input, whole on every tp rank
     b, t, _ = x.shape
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
+    inv = invariant.enabled(cfg)
     if "wqkv" in p:  # one matmul for q, k, v (ftitan.infer.fuse_projections; one process, no tp)
         sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
-        q, k, v = nn.linear(x, p["wqkv"]).split(sizes, dim=-1)
+        q, k, v = nn.linear(x, p["wqkv"], invariant=inv).split(sizes, dim=-1)
     else:
-        q, k, v = nn.linear(x, p["wq"]), nn.linear(x, p["wk"]), nn.linear(x, p["wv"])
+        q, k, v = (nn.linear(x, p[name], invariant=inv) for name in ("wq", "wk", "wv"))
     q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (q, k, v))
     if "q_norm" in p:  # Qwen3
-        q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps)
-        k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps)
+        q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps, invariant=inv)
+        k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps, invariant=inv)
     q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
-    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"]))
+    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv))
 
 
 def norm(cfg: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``rms_norm`` of the residual stream (under sequence parallelism each tp rank holds its own tokens,
     so the scale's gradient is summed over tp)."""
-    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps)
+    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps, invariant=invariant.enabled(cfg))
 
 
-def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Tensor:  # (B, T_local, D) normed
-    """SwiGLU MLP, column-parallel ``w1``/``w3`` and row-parallel ``w2`` under tensor parallelism."""
-    return par.row_output(nn.swiglu(par.column_input(x), **p))
+def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor], *, invariant: bool = False) -> torch.Tensor:
+    """SwiGLU MLP of ``x`` (B, T_local, D) normed, column-parallel ``w1``/``w3`` and row-parallel ``w2``
+    under tensor parallelism; ``invariant``: batch-invariant matmuls (``nn.invariant``)."""
+    return par.row_output(nn.swiglu(par.column_input(x), **p, invariant=invariant))
 
 
 def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str,
@@ -182,7 +185,8 @@ def rope(
     cfg: AttentionConfig, positions: torch.Tensor, *, scaling: nn.RopeScaling | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) | (B, T, Dh)
     """RoPE angles at ``positions`` (T,) | (B, T) (e.g. :func:`stage_positions`)."""
-    return nn.rope_cos_sin(positions, nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=positions.device))
+    inv_freq = nn.rope_inv_freq(cfg.head_dim, cfg.rope_theta, scaling, device=positions.device)
+    return nn.rope_cos_sin(positions, inv_freq, invariant=invariant.enabled(cfg))
 
 
 def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D)
@@ -191,9 +195,10 @@ def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor
     return params["embed"] if cfg.tie_embeddings else params["head"]
 
 
-def logits_of(h: torch.Tensor, head: torch.Tensor) -> torch.Tensor:  # (B, T, D), (V | V / tp, D) -> (B, T, V)
-    """``h @ head.T`` with every vocab entry (the head gathered when tensor parallelism splits it)."""
-    return nn.linear(h, par.gather_vocab(head))
+def logits_of(h: torch.Tensor, head: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
+    """``h @ head.T`` (B, T, D), (V | V / tp, D) -> (B, T, V) with every vocab entry (the head gathered when
+    tensor parallelism splits it); ``invariant``: a batch-invariant matmul (``nn.invariant``)."""
+    return nn.linear(h, par.gather_vocab(head), invariant=invariant)
 
 
 def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
@@ -315,7 +320,7 @@ def dense_stage(
 
     def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, None]:
         h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin, attend=attend)
-        return h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"]), None
+        return h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"], invariant=invariant.enabled(cfg)), None
 
     return run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache, segments=segments)
 
@@ -337,7 +342,7 @@ def dense_forward(
     every = range(cfg.n_layers)
     h, _, cache = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions,
                               cache=cache, segments=segments, family=family, scaling=scaling)  # fmt: skip
-    return (logits_of(h, output_head(cfg, params)) if logits else h), cache
+    return (logits_of(h, output_head(cfg, params), invariant=invariant.enabled(cfg)) if logits else h), cache
 
 
 # per-layer HF names of the Llama-style decoders (Llama, Qwen3, Qwen3-MoE's attention half)

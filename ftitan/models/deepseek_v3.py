@@ -130,7 +130,7 @@ class Config:
     rope_scaling: YarnRopeScaling | None = None  # YaRN context extension, or None
     rope_interleave: bool = True  # rope dims stored as interleaved pairs, as in every DeepSeek/Kimi checkpoint
     max_seq_len: int = 4096  # longest sequence the model is meant for (HF max_position_embeddings)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
@@ -170,6 +170,7 @@ class Config:
             n_shared_experts=self.n_shared_experts, score_func=self.score_func, norm_topk=self.norm_topk,
             n_groups=self.n_groups, topk_groups=self.topk_groups, routed_scale=self.routed_scale, score_bias=True,
             aux_loss_coef=self.aux_loss_coef, bias_update_rate=self.bias_update_rate,
+            batch_invariant=self.attn_impl == "batch_invariant",
         )  # fmt: skip
 
     @property
@@ -344,7 +345,7 @@ def _stage(
         h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg, attend=attend)
         x = decoder.norm(cfg, h, p["mlp_norm"])
         if i < cfg.n_dense_layers:
-            return h + decoder.mlp(x, p["mlp"]), None
+            return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant), None
         y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
         return h + y, stats
 
@@ -366,7 +367,7 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True,
                              last=True, positions=positions, cache=cache, segments=segments)  # fmt: skip
-    out = decoder.logits_of(h, _head(params)) if logits else h
+    out = decoder.logits_of(h, _head(params), invariant=moe_cfg.batch_invariant) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 

@@ -70,7 +70,7 @@ class Config:
     rope_scaling: Llama3RopeScaling | None = None  # Llama 3.1 long-context frequency scaling, or None
     max_seq_len: int = 8192  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table (Llama 3.2 1B/3B)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:

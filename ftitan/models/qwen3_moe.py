@@ -57,6 +57,7 @@ import torch
 from ftitan import nn, tree
 from ftitan.models import base, decoder, hf, qwen3
 from ftitan.models.base import Model
+from ftitan.nn import invariant
 from ftitan.nn.attention import Attend, AttentionImpl
 from ftitan.nn.moe import MoEConfig
 from ftitan.parallel import expert
@@ -101,7 +102,7 @@ class Config:
     rope_theta: float = 1_000_000.0  # RoPE base
     max_seq_len: int = 40_960  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
@@ -126,7 +127,7 @@ class Config:
         """The MoE layer's config: softmax routing, no shared experts, no groups, no balancing bias."""
         return MoEConfig(
             n_experts=self.n_experts, top_k=self.top_k, expert_dim=self.expert_dim, score_func="softmax",
-            norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef,
+            norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef, batch_invariant=invariant.enabled(self),
         )  # fmt: skip
 
     @property
@@ -244,7 +245,7 @@ def _stage(
         if "moe" in p:
             y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
             return h + y, stats
-        return h + decoder.mlp(x, p["mlp"]), None
+        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant), None
 
     return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
                              segments=segments)  # fmt: skip
@@ -263,7 +264,7 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
                              positions=positions, cache=cache, segments=segments)  # fmt: skip
-    out = decoder.logits_of(h, decoder.output_head(cfg, params)) if logits else h
+    out = decoder.logits_of(h, decoder.output_head(cfg, params), invariant=moe_cfg.batch_invariant) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 

@@ -1,6 +1,6 @@
 """Scaled dot-product attention with grouped-query heads (GQA, Ainslie et al. 2023).
 
-Two implementations that agree to float32 rounding:
+Three implementations that agree to float32 rounding:
 
 - ``"sdpa"``: ``F.scaled_dot_product_attention`` (fused kernels where the
   backend has them; ``enable_gqa`` so K/V are never repeated in memory).
@@ -11,6 +11,10 @@ Two implementations that agree to float32 rounding:
   than one level of ``grad`` (``vmap``, ``jvp``, ``linearize``, ``grad`` of
   ``grad``) and under forward-AD dual tensors, where the CPU flash kernel
   has no rule (``ftitan.kernels.autodiff.plain_reverse_mode``).
+- ``"batch_invariant"``: ``ftitan.nn.invariant.attention``, every reduction in an order fixed
+  from key 0, so a query's output does not depend on the batch, the padding or the number of
+  keys after the ones it sees (prefill vs decode). A model config with this impl runs all its
+  ops batch-invariantly (``ftitan.config.batch_invariant``).
 
 Queries may be fewer than keys (decoding against a KV cache): the causal mask
 is then aligned bottom-right, i.e. query ``t`` sits at key position
@@ -32,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from ftitan.kernels.autodiff import plain_reverse_mode
+from ftitan.nn import invariant
 
 __all__ = ["Attend", "AttentionImpl", "attention", "causal_mask", "document_mask", "document_positions"]
 
-AttentionImpl = Literal["sdpa", "math"]
-IMPLS: tuple[str, ...] = ("sdpa", "math")
+AttentionImpl = Literal["sdpa", "math", "batch_invariant"]
+IMPLS: tuple[str, ...] = ("sdpa", "math", "batch_invariant")
 
 # the attention op a model block calls: ``attend(q, k, v, *, impl, causal, scale) -> o`` with the
 # shapes of :func:`attention` (``attention`` itself, context-parallel attention, a KV cache's)
@@ -111,6 +116,10 @@ def attention(
     # transforms sdpa falls back to the math form (equal to rounding); a compile-time choice
     if impl == "sdpa" and plain_reverse_mode():
         return _sdpa(q, k, v, causal=causal, scale=scale, mask=mask)
+    if impl == "batch_invariant":
+        if causal or mask is None:
+            mask = causal_mask(t, s, device=q.device) if causal else torch.ones(t, s, dtype=torch.bool, device=q.device)
+        return invariant.attention(q, k, v, scale=scale, mask=mask)
     return _math(q, k, v, causal=causal, scale=scale, mask=mask)
 
 

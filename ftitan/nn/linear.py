@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ftitan.nn import invariant as _invariant
 from ftitan.nn.param import Param, init, truncated_normal_init, zeros_init
 
 __all__ = ["PreparedWeight", "bias_param", "init_linear", "linear", "linear_param"]
@@ -20,9 +21,15 @@ def linear(
     x: torch.Tensor,  # (..., in)
     w: torch.Tensor | PreparedWeight,  # (out, in)
     b: torch.Tensor | None = None,  # (out,)
+    *,
+    invariant: bool = False,
 ) -> torch.Tensor:  # (..., out)
     """``x @ w.T + b``. ``w`` may also be a :class:`PreparedWeight` (a matrix an inference runtime
-    laid out for its own GEMM, e.g. ``ftitan.vllm``'s oneDNN-packed weights): it computes the same."""
+    laid out for its own GEMM, e.g. ``ftitan.vllm``'s oneDNN-packed weights): it computes the same.
+    ``invariant``: each row in a GEMM of fixed shape (``ftitan.nn.invariant.linear``), so its bits do
+    not depend on the other rows."""
+    if invariant:
+        return _invariant.linear(x, w, b)  # type: ignore[arg-type]
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
     return w.linear(x, b)

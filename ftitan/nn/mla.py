@@ -149,7 +149,7 @@ def mla_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dr) | (B, T, Dr) float32
     """``cos``/``sin`` of the rope dims, YaRN-scaled and times YaRN's attention factor (as HF)."""
     inv_freq = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, device=positions.device)
-    cos, sin = rope_cos_sin(positions, inv_freq)
+    cos, sin = rope_cos_sin(positions, inv_freq, invariant=cfg.attn_impl == "batch_invariant")
     factor = rope_attention_factor(cfg.rope_scaling)
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
@@ -181,19 +181,21 @@ def mla(
     """
     b, t, _ = x.shape
     dn, dr, dv, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    inv = cfg.attn_impl == "batch_invariant"  # every matmul and norm batch-invariant too (nn.invariant)
     if cfg.q_lora_rank is None:
-        q = linear(x, p["wq"])
+        q = linear(x, p["wq"], invariant=inv)
     else:
-        q = linear(rms_norm(linear(x, p["wq_a"]), p["q_norm"], cfg.latent_norm_eps), p["wq_b"])
+        q_latent = rms_norm(linear(x, p["wq_a"], invariant=inv), p["q_norm"], cfg.latent_norm_eps, invariant=inv)
+        q = linear(q_latent, p["wq_b"], invariant=inv)
     q_nope, q_rope = q.view(b, t, -1, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
     h = q_nope.shape[2]
-    latent, k_rope = linear(x, p["wkv_a"]).split((rkv, dr), dim=-1)  # (B, T, Rkv), (B, T, Dr)
-    latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps)
+    latent, k_rope = linear(x, p["wkv_a"], invariant=inv).split((rkv, dr), dim=-1)  # (B, T, Rkv), (B, T, Dr)
+    latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps, invariant=inv)
     q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
     k_rope = _rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave)  # (B, T, 1, Dr): one key for all heads
     # KV-cache seam: a cache would append (latent, k_rope) here, Rkv + Dr numbers per token
-    k_nope, v = linear(latent, p["wkv_b"]).view(b, t, h, dn + dv).split((dn, dv), dim=-1)
+    k_nope, v = linear(latent, p["wkv_b"], invariant=inv).view(b, t, h, dn + dv).split((dn, dv), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, Dn + Dr)
     k = torch.cat((k_nope, k_rope.expand(b, t, h, dr)), dim=-1)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.softmax_scale)  # (B, T, H, Dv)
-    return linear(o.reshape(b, t, h * dv), p["wo"])
+    return linear(o.reshape(b, t, h * dv), p["wo"], invariant=inv)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ftitan.nn import invariant as _invariant
 from ftitan.nn.linear import linear, linear_param
 from ftitan.nn.param import Param, init
 
@@ -21,17 +22,20 @@ def swiglu(
     w3: torch.Tensor | None = None,  # (F, D) up
     *,
     w13: torch.Tensor | None = None,  # (2F, D): [w1; w3] in one matrix, instead of w1 and w3
+    invariant: bool = False,
 ) -> torch.Tensor:  # (..., D)
     """``w2(silu(w1 x) * w3 x)``; with ``w13`` (``ftitan.infer.fuse_projections``: one matmul for
-    gate and up, as inference engines do) the same function."""
+    gate and up, as inference engines do) the same function. ``invariant``: batch-invariant
+    matmuls (``ftitan.nn.invariant``)."""
     if w13 is not None:
-        gate, up = linear(x, w13).chunk(2, dim=-1)
+        gate, up = linear(x, w13, invariant=invariant).chunk(2, dim=-1)
     else:
-        gate, up = linear(x, w1), linear(x, w3)
+        gate, up = linear(x, w1, invariant=invariant), linear(x, w3, invariant=invariant)
     # silu written out: F.silu's fused backward kernel differs from the
     # decomposition torch.func uses by an ulp, and the train step promises
     # identical gradients on its torch.func and autograd paths
-    return linear(gate * torch.sigmoid(gate) * up, w2)
+    sig = _invariant.sigmoid(gate) if invariant else torch.sigmoid(gate)
+    return linear(gate * sig * up, w2, invariant=invariant)
 
 
 def swiglu_params(dim: int, hidden_dim: int, *, std: float = 0.02, out_std: float | None = None) -> dict[str, Param]:

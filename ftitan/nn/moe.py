@@ -46,6 +46,7 @@ import attrs
 import torch
 
 from ftitan.kernels.grouped_mm import grouped_mm
+from ftitan.nn import invariant as invariant_
 from ftitan.nn.linear import linear
 from ftitan.nn.mlp import swiglu, swiglu_params
 from ftitan.nn.param import Param, truncated_normal_init, zeros_init
@@ -60,6 +61,7 @@ __all__ = [
     "combine",
     "dispatch",
     "experts_forward",
+    "experts_forward_invariant",
     "experts_reference",
     "load_balancing_loss",
     "moe",
@@ -93,6 +95,7 @@ class MoEConfig:
     score_bias: bool = False  # aux-loss-free balancing bias, added to scores for expert selection only
     aux_loss_coef: float = 0.0  # weight of the Switch load-balancing loss added to the training loss
     bias_update_rate: float = 0.001  # step of the balancing-bias update (DeepSeek-V3's gamma)
+    batch_invariant: bool = False  # routing, experts and combination with batch-invariant reductions (nn.invariant)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k > self.n_experts:
@@ -170,19 +173,24 @@ def route(x: torch.Tensor, p: Mapping[str, torch.Tensor], cfg: MoEConfig) -> Rou
     # exact products): bf16 scores keep 8 significant bits, so near-equal experts would tie and flip with
     # rounding, and the balancing bias's 1e-3 steps would vanish when added to them. fp64 stays fp64.
     acc = torch.promote_types(x.dtype, torch.float32)
-    logits = linear(x.to(acc), p["router"].to(acc))  # (N, E)
+    inv = cfg.batch_invariant
+    logits = linear(x.to(acc), p["router"].to(acc), invariant=inv)  # (N, E)
+
+    def total(w: torch.Tensor) -> torch.Tensor:  # (N, n) -> (N, 1)
+        return invariant_.tree_sum(w, keepdim=True) if inv else w.sum(-1, keepdim=True)
+
     if cfg.score_func == "softmax":
-        scores = probs = torch.softmax(logits, dim=-1)
+        scores = probs = invariant_.softmax(logits, dim=-1) if inv else torch.softmax(logits, dim=-1)
     else:
-        scores = torch.sigmoid(logits)
-        probs = scores / scores.sum(-1, keepdim=True)
+        scores = invariant_.sigmoid(logits) if inv else torch.sigmoid(logits)
+        probs = scores / total(scores)
     choice = scores + p["router_bias"].to(acc) if cfg.score_bias else scores
     if cfg.n_groups > 1:
         choice = _group_limit(choice, cfg)
     experts = choice.topk(cfg.top_k, dim=-1).indices  # (N, k)
     weights = scores.gather(1, experts)  # unbiased scores: the bias steers selection only
     if cfg.norm_topk:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (total(weights) + 1e-20)
     if cfg.routed_scale != 1.0:
         weights = weights * cfg.routed_scale
     return Routing(weights.to(x.dtype), experts, probs)
@@ -212,6 +220,20 @@ def experts_forward(
     return grouped_mm(gate * torch.sigmoid(gate) * up, w2.transpose(-2, -1), offs)
 
 
+def experts_forward_invariant(
+    x: torch.Tensor,  # (M, D) rows sorted by expert
+    offs: torch.Tensor,  # (E,) int32 cumulative row ends
+    w1: torch.Tensor,  # (E, F, D) gate
+    w2: torch.Tensor,  # (E, D, F) down
+    w3: torch.Tensor,  # (E, F, D) up
+) -> torch.Tensor:  # (M, D)
+    """:func:`experts_forward` with each row's GEMMs independent of how many rows its expert got
+    (``nn.invariant.grouped_mm``: fixed-shape row tiles): the batch-invariant mode's experts."""
+    gate = invariant_.grouped_mm(x, w1.transpose(-2, -1), offs)
+    up = invariant_.grouped_mm(x, w3.transpose(-2, -1), offs)
+    return invariant_.grouped_mm(gate * invariant_.sigmoid(gate) * up, w2.transpose(-2, -1), offs)
+
+
 # (x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3) -> (M, D): the experts seam of moe()
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -227,12 +249,14 @@ def experts_reference(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: t
     return out
 
 
-def combine(y: torch.Tensor, d: Dispatch, routing: Routing) -> torch.Tensor:  # (N*k, D) -> (N, D)
-    """Back to token order, weight by the routing weights, sum over the ``top_k`` choices."""
+def combine(y: torch.Tensor, d: Dispatch, routing: Routing, *, invariant: bool = False) -> torch.Tensor:
+    """Back to token order, weight by the routing weights, sum over the ``top_k`` choices: (N*k, D) -> (N, D).
+    ``invariant``: the sum as a fixed-order tree (``nn.invariant.tree_sum``)."""
     n, k = routing.experts.shape
     inverse = torch.empty_like(d.order).scatter(0, d.order, torch.arange(d.order.numel(), device=d.order.device))
     per_choice = y[inverse].view(n, k, -1)  # gather, not scatter-add: deterministic on every backend
-    return (per_choice * routing.weights.unsqueeze(-1)).sum(1)
+    weighted = per_choice * routing.weights.unsqueeze(-1)
+    return invariant_.tree_sum(weighted, dim=1) if invariant else weighted.sum(1)
 
 
 def moe(
@@ -240,22 +264,26 @@ def moe(
     p: Mapping[str, Any],
     cfg: MoEConfig,
     *,
-    experts_fn: ExpertsFn = experts_forward,
+    experts_fn: ExpertsFn | None = None,
 ) -> tuple[torch.Tensor, MoEStats]:  # same shape as x; stats
     """The MoE feed-forward of ``x``, and this layer's routing statistics.
 
     ``experts_fn`` computes the experts on the dispatched rows (signature of
-    :func:`experts_forward`); ``ftitan.parallel.expert.experts_forward``
-    puts the expert-parallel all-to-alls around it.
+    :func:`experts_forward`, the default; :func:`experts_forward_invariant` when
+    ``cfg.batch_invariant``); ``ftitan.parallel.expert.experts_forward`` puts the
+    expert-parallel all-to-alls around it.
     """
+    inv = cfg.batch_invariant
+    if experts_fn is None:
+        experts_fn = experts_forward_invariant if inv else experts_forward
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     routing = route(x2, p, cfg)
     d = dispatch(x2, routing, cfg.n_experts)
     ex = p["experts"]
-    out = combine(experts_fn(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing)
+    out = combine(experts_fn(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing, invariant=inv)
     if cfg.n_shared_experts:
-        out = out + swiglu(x2, **p["shared"])
+        out = out + swiglu(x2, **p["shared"], invariant=inv)
     n = torch.tensor(float(x2.shape[0]), device=x.device)
     return out.view(shape), MoEStats(d.counts, routing.probs.sum(0), n)
 

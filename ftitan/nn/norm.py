@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ftitan.nn import invariant as _invariant
 from ftitan.nn.param import Param, init, ones_init
 
 __all__ = ["NORM_AXES", "init_norm", "norm_param", "rms_norm"]
@@ -15,6 +16,8 @@ def rms_norm(
     x: torch.Tensor,  # (..., D)
     w: torch.Tensor,  # (D,)
     eps: float,
+    *,
+    invariant: bool = False,
 ) -> torch.Tensor:  # (..., D), dtype of x
     """``w * x / sqrt(mean(x^2) + eps)``.
 
@@ -26,8 +29,11 @@ def rms_norm(
     Under mixed precision this is what keeps the statistics float32 for
     bfloat16 / float16 activations (float16 ``x**2`` overflows from
     ``|x| > 256``); every norm of the models (block, final, QK-norm, MLA's
-    latent norms) is this function.
+    latent norms) is this function. ``invariant``: the mean as a fixed-order
+    tree (``ftitan.nn.invariant.rms_norm``).
     """
+    if invariant:
+        return _invariant.rms_norm(x, w, eps)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w.to(x.dtype) * normed.to(x.dtype)

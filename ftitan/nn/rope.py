@@ -28,6 +28,8 @@ import math
 import attrs
 import torch
 
+from ftitan.nn import invariant as _invariant
+
 __all__ = [
     "Llama3RopeScaling",
     "RopeScaling",
@@ -181,16 +183,19 @@ def rope_inv_freq(
 def rope_cos_sin(
     positions: torch.Tensor,  # (T,) or (B, T) int
     inv_freq: torch.Tensor,  # (Dh // 2,) float32
+    *,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: (T, Dh) or (B, T, Dh) float32
     """``cos``/``sin`` of ``position * inv_freq``, frequencies repeated twice (rotate-half layout).
 
     Both come from one stacked tensor: inductor stores it once per call and every layer's rotation
     reads it, forward and backward. Returned separately, ``cos``/``sin`` would be inlined and
-    re-evaluated inside each layer's q and k kernels.
+    re-evaluated inside each layer's q and k kernels. ``invariant``: the batch-invariant mode's
+    ``cos``/``sin`` (``ftitan.nn.invariant.cos_sin``: the same bits eager and compiled).
     """
     angles = positions[..., None].to(torch.float32) * inv_freq.to(torch.float32)
     emb = torch.cat((angles, angles), dim=-1)
-    cos_sin = torch.stack((emb.cos(), emb.sin()))
+    cos_sin = torch.stack(_invariant.cos_sin(emb) if invariant else (emb.cos(), emb.sin()))
     return cos_sin[0], cos_sin[1]
 
 

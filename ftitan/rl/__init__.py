@@ -1,5 +1,6 @@
 """Reinforcement learning from verifiable rewards: GRPO / DAPO losses, environments, rollouts."""
 
+from ftitan.config.transforms import batch_invariant
 from ftitan.rl.asynchronous import AsyncRollouts, Ledger
 from ftitan.rl.envs import (
     ENVS,
@@ -22,17 +23,19 @@ from ftitan.rl.losses import (
     token_logprobs_and_entropy,
 )
 from ftitan.rl.loop import collect, rl_train
-from ftitan.rl.rollout import Rollouts, episode_rollout, rollout, rows_of, sequence_rows
+from ftitan.rl.rollout import Rollouts, episode_rollout, rollout, rows_of, sequence_rows, vllm_generate_fn
 
 __all__ = [
     "AsyncRollouts",
     "ENVS",
     "Ledger",
+    "batch_invariant",
     "collect",
     "demonstrations",
     "episode_rollout",
     "rl_train",
     "sequence_rows",
+    "vllm_generate_fn",
     "EpisodeState",
     "Prompt",
     "Rollouts",

@@ -43,10 +43,11 @@ from ftitan.checkpoint.run import RunDir, RunDirError, load_run
 from ftitan.config.io import config_to_dict
 from ftitan.config.schema import OptimConfig, RLConfig, TrainConfig
 from ftitan.data.chat import ChatTemplate, load_chat_template
+from ftitan.infer import generate
 from ftitan.rl.asynchronous import AsyncRollouts, Ledger
 from ftitan.rl.envs import ENVS, ToolEnv, demonstrations
 from ftitan.rl.losses import group_advantages, grpo_loss_fn, keep_informative_groups, overlong_penalty
-from ftitan.rl.rollout import Rollouts, episode_rollout, rollout
+from ftitan.rl.rollout import Rollouts, episode_rollout, rollout, vllm_generate_fn
 from ftitan.train import faults, nonfinite, post, runtime
 from ftitan.train.losses import IGNORE_INDEX
 from ftitan.train.metrics import MetricsSink, plot_rewards, to_record
@@ -64,6 +65,7 @@ class Policy:
 
     def __init__(self, model: Any, params: Any, tokenizer: Any, template: ChatTemplate) -> None:
         self.model, self.params, self.tokenizer, self.template = model, params, tokenizer, template
+        self.generate_fn: Callable[..., Any] = generate  # the generator: native, or vLLM (rollout.vllm_generate_fn)
 
 
 def sft_stage_config(cfg: TrainConfig, run: Path) -> TrainConfig:
@@ -191,7 +193,8 @@ def _sample(cfg: TrainConfig, policy: Policy, params: Any, prompts: list[Any], *
             group_size: int, first_id: int = 0) -> Rollouts:  # fmt: skip
     env = ENVS[cfg.rl.env]
     common = dict(tokenizer=policy.tokenizer, template=policy.template, group_size=group_size,
-                  max_new_tokens=cfg.rl.max_new_tokens, key=key, first_id=first_id)  # fmt: skip
+                  max_new_tokens=cfg.rl.max_new_tokens, key=key, first_id=first_id,
+                  generate_fn=policy.generate_fn)  # fmt: skip
     if isinstance(env, ToolEnv):
         return episode_rollout(policy.model, params, prompts, env=env, max_len=cfg.data.seq_len + 1, **common)
     return rollout(policy.model, params, prompts, reward=env.reward, **common)
@@ -231,7 +234,7 @@ TRAIN_FIELDS = ("inputs", "targets", "gen_logp", "advantages")  # what the train
 def _loss(cfg: TrainConfig, model: Any) -> Callable[..., Any]:
     rl = cfg.rl
     # async: old_logp is the generator's (the behaviour policy), so there is no second correction to make
-    tis = None if (not rl.tis_cap or rl.max_offpolicy_steps) else rl.tis_cap
+    tis = None if (not rl.tis_cap or rl.batch_invariant or rl.max_offpolicy_steps) else rl.tis_cap
     return grpo_loss_fn(model, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=rl.loss_agg,
                         kl_coef=rl.kl_coef, tis_cap=tis)  # fmt: skip
 
@@ -263,7 +266,19 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
     run = RunDir.of(cfg)
     _prepare_dir(cfg, run, resume=resume, overwrite=overwrite)
     policy = _warm_start(cfg, run.path, rt.device, progress=progress)
+    if rl.batch_invariant:  # generator and trainer both run the invariant ops: their log-probs agree bit for bit
+        from ftitan.config.transforms import batch_invariant
+        from ftitan.models import registry
+
+        policy.model = registry.model_for(batch_invariant(policy.model.config))
     model = policy.model
+    llm = None
+    if rl.generator == "vllm":  # the in-process engine runs the same pure model; its weights pushed each step
+        from ftitan import vllm as fv
+
+        llm = fv.engine((model, policy.params), dtype="float32", max_model_len=cfg.data.seq_len + 1,
+                        kv_cache_bytes=64 << 20)  # fmt: skip
+        policy.generate_fn = vllm_generate_fn(llm)
     opt = post.optimizer_of(cfg, model, model.init(random.key(cfg.seed), device="meta"))
     mp = cfg.mixed_precision
     precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)
@@ -298,6 +313,8 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
     try:
         for i in bar:
             if source is None:
+                if llm is not None:
+                    fv.push_weights(llm, state.params)  # the engine samples from the params after i updates
                 got = make(state.params, i)
                 lag = 0
                 ledger.made(got["ids"])
@@ -354,6 +371,8 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
         if source is not None:
             source.close()
             torch.set_num_threads(threads)
+        if llm is not None:
+            fv.close(llm)
     sink.close()
     plot_rewards(sink.records, run.path / "reward.png", f"{cfg.recipe}: {cfg.steps} steps")
     rt.close()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ftitan.nn import invariant as nn_invariant
 from ftitan.train.dpo import require_whole_vocab, token_logprobs
 from ftitan.train.losses import IGNORE_INDEX, _acc_dtype
 
@@ -144,6 +145,8 @@ def token_logprobs_and_entropy(
     ``model.apply(params, inputs, logits=False)`` then ``model.head(params)`` in float32 blocks of
     ``chunk_size`` rows (:func:`ftitan.train.dpo.token_logprobs` for the log-probs, whose fused
     backward recomputes the blocks; :func:`token_entropy`), so the ``(B, T, V)`` logits never exist.
+    A model in the batch-invariant mode (``ftitan.config.batch_invariant``) gives the log-probs
+    ``ftitan.infer.generate(..., logprobs=True)`` gave its samples, bit for bit.
     """
     if inputs.shape != targets.shape or inputs.dim() != 2:
         raise ValueError(f"token_logprobs_and_entropy: inputs {tuple(inputs.shape)} and targets "
@@ -152,7 +155,7 @@ def token_logprobs_and_entropy(
     extra = {} if positions is None else {"positions": positions}
     h, _ = model.apply(params, inputs, logits=False, **extra)  # (B, T, D)
     h, w, t = h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1)
-    logp = token_logprobs(h, w, t, chunk_size=chunk_size, fused=fused)
+    logp = token_logprobs(h, w, t, chunk_size=chunk_size, fused=fused, invariant=nn_invariant.enabled(model.config))
     return logp.reshape(targets.shape), token_entropy(h, w, t, chunk_size=chunk_size).reshape(targets.shape)
 
 

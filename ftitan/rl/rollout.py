@@ -27,7 +27,7 @@ from ftitan.infer import GREEDY, Sampling, generate
 from ftitan.train.exact_match import _stop_ids, completion_text, end_marker
 from ftitan.train.losses import IGNORE_INDEX
 
-__all__ = ["Rollouts", "episode_rollout", "rollout", "rows_of", "sequence_rows"]
+__all__ = ["Rollouts", "episode_rollout", "rollout", "rows_of", "sequence_rows", "turn_end", "vllm_generate_fn"]
 
 
 class Rollouts(NamedTuple):
@@ -219,3 +219,30 @@ def episode_rollout(
         ids=list(range(first_id, first_id + len(states))),
         texts=["\n".join(s) for s in said],
     )
+
+
+def vllm_generate_fn(llm: Any) -> Callable[..., Any]:
+    """A ``generate_fn`` for :func:`rollout` / :func:`episode_rollout` that samples with the in-process vLLM
+    engine ``llm`` (``ftitan.vllm.engine``) instead of :func:`ftitan.infer.generate`: the same arguments,
+    the same ``(tokens, logprobs)`` result. Request ``i`` samples with the seed ``key_data(fold_in(key, i))``
+    (greedy when ``key`` is None); the log-probs are vLLM's raw ones (temperature 1; in the batch-invariant
+    mode the model's invariant log-softmax: the trainer's bits). The engine's weights are the caller's to
+    keep current (``ftitan.vllm.push_weights``)."""
+    from vllm import SamplingParams
+
+    from ftitan.vllm import complete
+
+    def generate_fn(model: Any, params: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                    sampling: Any, key: torch.Tensor | None, eos_id: Any = None,
+                    logprobs: bool = False) -> Any:  # fmt: skip
+        stop = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
+        greedy = key is None or sampling.greedy
+        requests = [SamplingParams(max_tokens=max_new_tokens, temperature=0.0 if greedy else 1.0,
+                                   seed=None if greedy else random.key_data(random.fold_in(key, i)) % 2**31,
+                                   stop_token_ids=stop, logprobs=0 if logprobs else None)
+                    for i in range(len(prompts))]  # fmt: skip
+        out = complete(llm, prompts, requests)
+        tokens = [c.tokens for c in out]
+        return (tokens, [list(c.logprobs or []) for c in out]) if logprobs else tokens
+
+    return generate_fn

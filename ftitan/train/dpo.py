@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ftitan.kernels.autodiff import plain_reverse_mode
+from ftitan.nn import invariant as nn_invariant
 from ftitan.train.losses import IGNORE_INDEX, _acc_dtype
 
 __all__ = ["LOSS_TYPES", "completion_logprobs", "dpo_loss", "dpo_loss_fn", "token_logprobs", "with_reference"]
@@ -50,9 +51,13 @@ _APPLY_KEYS = ("positions", "segments")  # optional per-side batch entries passe
 # ---------------------------------------------------------------------------------------------- log-probs
 
 
-def _chunk_token_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int) -> torch.Tensor:
+def _chunk_token_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int,
+                          invariant: bool = False) -> torch.Tensor:  # fmt: skip
     # h: (C, D); w32: (V, D) float32 (float64 for float64 params); t: (C,) -> (C,) log p(t), 0 where ignored
-    logp = torch.log_softmax(h.to(w32.dtype) @ w32.T, dim=-1)  # (C, V)
+    if invariant:  # the generator's own head matmul and log-softmax (ftitan.infer.generate), bit for bit
+        logp = nn_invariant.log_softmax(nn_invariant.linear(h.to(w32.dtype), w32), dim=-1)
+    else:
+        logp = torch.log_softmax(h.to(w32.dtype) @ w32.T, dim=-1)  # (C, V)
     valid = t != ignore_index
     picked = logp.gather(1, torch.where(valid, t, torch.zeros_like(t))[:, None]).squeeze(1)
     return torch.where(valid, picked, torch.zeros_like(picked))
@@ -68,16 +73,16 @@ class _TokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(h, w, targets, chunk_size: int, ignore_index: int):  # type: ignore[override]
+    def forward(h, w, targets, chunk_size: int, ignore_index: int, invariant: bool):  # type: ignore[override]
         w32 = w.to(_acc_dtype(w))
         return torch.cat([
-            _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)
+            _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index, invariant)
             for s in range(0, h.shape[0], chunk_size)
         ])  # fmt: skip
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        h, w, targets, chunk_size, ignore_index = inputs
+        h, w, targets, chunk_size, ignore_index, _ = inputs
         ctx.save_for_backward(h, w, targets)
         ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
 
@@ -96,7 +101,7 @@ class _TokenLogprobs(torch.autograd.Function):
             d = (-torch.softmax(hc @ w32.T, dim=-1) * gc[:, None]).scatter_add(1, safe[:, None], gc[:, None])
             grad_h.append((d @ w32).to(h.dtype))  # (C, D)
             grad_w = grad_w + d.T @ hc  # (V, D)
-        return torch.cat(grad_h), grad_w.to(w.dtype), None, None, None
+        return torch.cat(grad_h), grad_w.to(w.dtype), None, None, None, None
 
 
 def token_logprobs(
@@ -106,6 +111,7 @@ def token_logprobs(
     *,
     chunk_size: int = 1024,
     fused: bool = True,
+    invariant: bool = False,
 ) -> torch.Tensor:  # (N,) float32 (float64 for float64 params), 0 at ignored targets
     """``log p(targets[i])`` under ``softmax(h @ w.T)``, one ``(chunk_size, V)`` block of logits at a time.
 
@@ -114,7 +120,9 @@ def token_logprobs(
     for backward, wherever that is exact (plain reverse mode: autograd or one
     ``torch.func.grad`` level); under other transforms (``vmap``, ``jvp``, ``grad`` of ``grad``)
     and with ``fused=False`` it is the same computation in plain differentiable ops, which
-    keeps every block for backward.
+    keeps every block for backward. ``invariant``: the head matmul and log-softmax of the
+    batch-invariant mode (``ftitan.nn.invariant``), the ones ``ftitan.infer.generate`` scores its
+    samples with, so both give the same bits (the gradient is the ordinary one).
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"token_logprobs: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
@@ -124,10 +132,10 @@ def token_logprobs(
         raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be >= 1")
     needs_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     if fused and needs_grad and plain_reverse_mode():
-        return _TokenLogprobs.apply(h, w, targets, chunk_size, IGNORE_INDEX)
+        return _TokenLogprobs.apply(h, w, targets, chunk_size, IGNORE_INDEX, invariant)
     w32 = w.to(_acc_dtype(w))
     return torch.cat([
-        _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], IGNORE_INDEX)
+        _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], IGNORE_INDEX, invariant)
         for s in range(0, h.shape[0], chunk_size)
     ])  # fmt: skip
 

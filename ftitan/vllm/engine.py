@@ -27,6 +27,7 @@ import torch
 
 from ftitan import tree
 from ftitan.models import hf
+from ftitan.nn import invariant as nn_invariant
 from ftitan.models.base import Model
 from ftitan.vllm._env import cache_root, import_vllm
 from ftitan.vllm._families import check_supported
@@ -123,6 +124,7 @@ def engine(
     max_model_len: int | None = None,  # longest prompt + completion; None: the config's max_seq_len
     seed: int = 0,  # vLLM's sampling seed for requests without their own
     enforce_eager: bool = True,  # no torch.compile / graph capture: starts in seconds
+    batch_invariant: bool | None = None,  # None: as a (model, params) source's config says, else False
     **llm_kwargs: Any,  # anything else vllm.LLM takes (they win over the above)
 ) -> vllm.LLM:
     """A ``vllm.LLM`` running ``source`` (see :func:`export_hf`) through the ftitan model class.
@@ -130,7 +132,16 @@ def engine(
     Prompts are token ids (``{"prompt_token_ids": [...]}``) unless the directory has a tokenizer
     (run directories bring theirs). Raises ValueError for a family vLLM cannot run or a head_dim
     vLLM's CPU attention has no kernel for, before starting anything.
+
+    ``batch_invariant`` (default: a ``(model, params)`` source in ``ftitan.config.batch_invariant``'s
+    mode): the model runs ftitan's batch-invariant ops, attention included (``InvariantPagedAttention``),
+    and the engine reports each sampled token's log-prob as the trainer computes it
+    (``logprobs_mode="raw_logits"`` over the model's invariant log-softmax): bit-equal to
+    ``ftitan.rl.token_logprobs_and_entropy`` of the same model in the mode.
     """
+    if batch_invariant is None:
+        batch_invariant = isinstance(source, tuple) and len(source) == 2 and nn_invariant.enabled(
+            getattr(source[0], "config", None))  # fmt: skip
     directory, cleanup = export_hf(source)
     try:
         cfg = hf.config_from_hf(json.loads((directory / hf.CONFIG_FILE).read_text()))
@@ -148,6 +159,11 @@ def engine(
         )  # fmt: skip
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+        if batch_invariant:
+            from ftitan.vllm.model import ATTN_IMPL_KEY
+
+            kwargs["hf_overrides"] = {**kwargs["hf_overrides"], ATTN_IMPL_KEY: nn_invariant.IMPL}
+            kwargs["logprobs_mode"] = "raw_logits"  # compute_logits returns the invariant log-probs
         with _quiet_tokenizer_warmup():
             llm = vllm.LLM(**{**kwargs, **llm_kwargs})
     except BaseException:

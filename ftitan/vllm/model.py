@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn as tnn
 from vllm.config import VllmConfig
@@ -30,11 +31,16 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 
 from ftitan import nn, random, tree
+from ftitan.nn import invariant
 from ftitan.infer.fuse import fuse_projections, fused_slices
 from ftitan.models import hf, registry
 from ftitan.vllm._families import ARCHITECTURES, check_supported
 
-__all__ = ["FtitanForCausalLM", "PackedLinear", "PagedAttention", "param_name", "register"]
+__all__ = ["ATTN_IMPL_KEY", "FtitanForCausalLM", "InvariantPagedAttention", "PackedLinear", "PagedAttention",
+           "param_name", "register"]  # fmt: skip
+
+# hf_overrides key carrying ftitan's attn_impl into the engine's model config (config.json has no such field)
+ATTN_IMPL_KEY = "ftitan_attn_impl"
 
 # the matrices every token multiplies (packed for oneDNN); embeddings, routers and experts stay
 _PACKED = ("wqkv", "wo", "w13", "w2", "head")
@@ -78,6 +84,57 @@ class PagedAttention:
         return o.view(1, t, h, -1), self
 
 
+class InvariantPagedAttention:
+    """``AttentionCache`` of the batch-invariant mode (``ftitan.config.batch_invariant``): vLLM schedules
+    (block tables, slot mapping, sequence lengths of the current batch), ftitan attends.
+
+    vLLM's paged kernels sum in an order of their own (and its CPU cache packs keys per ISA), so
+    each layer keeps its keys/values in a slot-indexed copy of vLLM's paged layout (slot =
+    block * block_size + offset, the same slots vLLM assigns, so prefix-cached blocks are found too)
+    and attends with ``ftitan.nn.invariant.attention`` per request, keys gathered from key 0 through
+    its block table: the bits the trainer's forward gives. vLLM's own KV cache stays allocated, unused.
+    """
+
+    def __init__(self, layers: Sequence[Attention], scale: float) -> None:
+        self.layers, self.scale = layers, scale
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> (slots, KV, Dk)
+        self.values: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str, causal: bool,
+               scale: float) -> tuple[torch.Tensor, InvariantPagedAttention]:  # fmt: skip
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        md, _, kv_cache, _ = get_attention_context(self.layers[layer].layer_name)
+        if md is None:  # vLLM's profiling / warm-up run: no cache, the tokens attend causally among themselves
+            return nn.attention(q, k, v, impl=impl, causal=True, scale=scale), self
+        n, t = int(md.num_actual_tokens), q.shape[1]
+        block = kv_cache.shape[2]  # (blocks, KV, block_size, ...): CPU_ATTN's layout
+        slots = kv_cache.shape[0] * block
+        if layer not in self.keys or self.keys[layer].shape[0] != slots:
+            self.keys[layer] = k.new_zeros(slots, *k.shape[2:])
+            self.values[layer] = v.new_zeros(slots, *v.shape[2:])
+        where = md.slot_mapping[:n].long()
+        self.keys[layer].index_copy_(0, where, k[0, :n])
+        self.values[layer].index_copy_(0, where, v[0, :n])
+        starts, seq = md.query_start_loc.long(), md.seq_lens.long()  # (R + 1,), (R,)
+        q_len = starts[1:] - starts[:-1]
+        s, tq = int(seq.max()), int(q_len.max())
+        j = torch.arange(s, device=q.device)
+        key_slot = md.block_table.long()[:, j // block] * block + j % block  # (R, S): request r's j-th key
+        key_slot = torch.where(j < seq[:, None], key_slot, torch.zeros_like(key_slot))
+        i = torch.arange(tq, device=q.device)
+        row = starts[:-1, None] + i  # (R, Tq) each query's token in the stream
+        real = i < q_len[:, None]
+        row = torch.where(real, row, torch.zeros_like(row))
+        pos = (seq - q_len)[:, None] + i  # each query's position in its sequence
+        mask = (j <= pos[:, :, None]) & (j < seq[:, None, None])  # (R, Tq, S)
+        mask = mask | ((j == 0) & ~real[:, :, None])  # padding queries see key 0 (finite, dropped)
+        o = invariant.attention(q[0][row], self.keys[layer][key_slot], self.values[layer][key_slot],
+                                scale=scale, mask=mask)  # fmt: skip
+        out = q.new_zeros(t, q.shape[2], v.shape[3]).index_copy(0, row[real], o[real])
+        return out[None], self
+
+
 class PackedLinear:
     """A ``(out, in)`` weight prepacked for vLLM's oneDNN CPU GEMM: ``nn.linear(x, packed)`` is
     ``x @ weight.T`` (``ftitan.nn.linear`` calls :meth:`linear` for weights that are not tensors)."""
@@ -111,7 +168,11 @@ class FtitanForCausalLM(tnn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
-        self.config = hf.config_from_hf(vllm_config.model_config.hf_config.to_dict())
+        hf_config = vllm_config.model_config.hf_config.to_dict()
+        self.config = hf.config_from_hf(hf_config)
+        if hf_config.get(ATTN_IMPL_KEY):  # ftitan.vllm.engine(batch_invariant=True): the mode is no HF field
+            self.config = attrs.evolve(self.config, attn_impl=hf_config[ATTN_IMPL_KEY])
+        self.invariant = invariant.enabled(self.config)
         check_supported(self.config, cpu=current_platform.is_cpu())
         self.model = registry.model_for(self.config)
         dtype = vllm_config.model_config.dtype
@@ -119,6 +180,7 @@ class FtitanForCausalLM(tnn.Module):
         unfused = self.model.init(random.key(0), dtype=dtype, device="meta")
         self.slices = fused_slices(unfused)  # unfused leaf path -> (fused path, rows)
         self.unfused_shapes = dict(zip(tree.paths(unfused), (x.shape for x in tree.leaves(unfused)), strict=True))
+        self._unfused_treedef = tree.flatten_with_paths(unfused)[2]
         paths, metas, treedef = tree.flatten_with_paths(fuse_projections(unfused))
         leaves = []
         for path, meta in zip(paths, metas, strict=True):
@@ -136,15 +198,22 @@ class FtitanForCausalLM(tnn.Module):
                       cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn.{i}" if prefix else f"attn.{i}")
             for i in range(cfg.n_layers)
         )  # fmt: skip
-        self.paged = PagedAttention(list(self.attn), head_dim**-0.5)
+        paged = InvariantPagedAttention if self.invariant else PagedAttention
+        self.paged = paged(list(self.attn), head_dim**-0.5)
 
     def runtime_params(self) -> tree.Tree:
         """The tree ``apply`` reads: the parameters, with :data:`_PACKED` matrices prepacked for oneDNN
         where vLLM has it; rebuilt after every weight load or push."""
         if self._runtime is None:
-            pack = _packs()
+            pack = _packs() and not self.invariant
             # from the live attributes: vLLM's reload_weights may have put new Parameter objects there
             self.params = tree.unflatten(self._treedef, [getattr(self, name) for name in self.paths])
+            if self.invariant:  # the trainer's (unfused) GEMM shapes, plain tensors: row views of the fused ones
+                fused = {path: getattr(self, param_name(path)) for path in self.paths.values()}
+                self._runtime = tree.unflatten(self._unfused_treedef, [
+                    fused[self.slices[p][0]][self.slices[p][1] : self.slices[p][2]] if p in self.slices else fused[p]
+                    for p in self.unfused_shapes])  # fmt: skip
+                return self._runtime
             self._runtime = tree.map_with_path(
                 lambda path, p: PackedLinear(p) if pack and p.dim() == 2 and path.rsplit(".", 1)[-1] in _PACKED else p,
                 self.params)  # fmt: skip
@@ -172,7 +241,11 @@ class FtitanForCausalLM(tnn.Module):
         return h[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (n, D) -> (n, V)
-        return nn.linear(hidden_states, self.model.head(self.runtime_params()))
+        """The logits; in the batch-invariant mode the log-probs (``nn.invariant.log_softmax``: the same
+        distribution to sample from, and with ``logprobs_mode="raw_logits"``, which ``engine`` sets, vLLM
+        reports these values: the trainer's bits)."""
+        logits = nn.linear(hidden_states, self.model.head(self.runtime_params()), invariant=self.invariant)
+        return invariant.log_softmax(logits.float(), dim=-1) if self.invariant else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (``hf.to_hf`` names) through each parameter's ``weight_loader``; returns

@@ -106,3 +106,12 @@ def test_bad_rl_input_is_one_line(argv, needle, capsys):
     assert main(argv) != 0
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_batch_invariant_runs_have_no_generator_trainer_mismatch(tmp_path, smoke):
+    out = rl_train(cfg_for(tmp_path / "inv", smoke, "--steps", "2", "--rl.batch-invariant", "True"), progress=False)
+    assert out["model"].config.attn_impl == "batch_invariant"
+    steps = [r for r in out["records"] if "loss" in r]
+    assert [r["mismatch_kl"] for r in steps] == [0.0, 0.0]  # the generator's log-probs are the trainer's, bit for bit
+    default = [r["mismatch_kl"] for r in records(smoke) if "mismatch_kl" in r]
+    assert any(m != 0.0 for m in default)  # without the mode they differ in the last bits
