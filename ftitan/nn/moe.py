@@ -215,9 +215,14 @@ def experts_forward(
     w3: torch.Tensor,  # (E, F, D) up
 ) -> torch.Tensor:  # (M, D)
     """Each expert's SwiGLU on its own row block, as three grouped matmuls."""
-    gate = grouped_mm(x, w1.transpose(-2, -1), offs)
-    up = grouped_mm(x, w3.transpose(-2, -1), offs)
-    return grouped_mm(gate * torch.sigmoid(gate) * up, w2.transpose(-2, -1), offs)
+    return _swiglu_experts(x, offs, w1, w2, w3, mm=grouped_mm, sigmoid=torch.sigmoid)
+
+
+def _swiglu_experts(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, *,
+                    mm: Callable[..., torch.Tensor], sigmoid: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    gate = mm(x, w1.transpose(-2, -1), offs)
+    up = mm(x, w3.transpose(-2, -1), offs)
+    return mm(gate * sigmoid(gate) * up, w2.transpose(-2, -1), offs)
 
 
 def experts_forward_invariant(
@@ -229,9 +234,7 @@ def experts_forward_invariant(
 ) -> torch.Tensor:  # (M, D)
     """:func:`experts_forward` with each row's GEMMs independent of how many rows its expert got
     (``nn.invariant.grouped_mm``: fixed-shape row tiles): the batch-invariant mode's experts."""
-    gate = invariant_.grouped_mm(x, w1.transpose(-2, -1), offs)
-    up = invariant_.grouped_mm(x, w3.transpose(-2, -1), offs)
-    return invariant_.grouped_mm(gate * invariant_.sigmoid(gate) * up, w2.transpose(-2, -1), offs)
+    return _swiglu_experts(x, offs, w1, w2, w3, mm=invariant_.grouped_mm, sigmoid=invariant_.sigmoid)
 
 
 # (x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3) -> (M, D): the experts seam of moe()
