@@ -142,6 +142,7 @@ class RLConfig:
     max_refills: int = 4  # dynamic sampling: extra generation rounds a step may take to fill its prompts
     overlong_cache: int = 0  # DAPO soft overlong penalty over the last this many of max_new_tokens (0: off)
     max_offpolicy_steps: int = 0  # 0: synchronous, on-policy; k >= 1: a generator thread samples ahead, rollouts up to k steps stale are trained on
+    worker: str = "thread"  # where the async generator runs: "thread" (in this process) or "process" (a spawned one with its own copy of the policy and, under --rl.generator vllm, its own engine: a cluster's layout)
     generator: str = "native"  # "native" (ftitan.infer.generate) or "vllm" (the in-process vLLM engine)
     batch_invariant: bool = False  # the model in batch-invariant mode: the generator's log-probs equal the trainer's bit for bit
     eval_prompts: int = 100  # held-out prompts answered greedily at each evaluation (eval.reward)

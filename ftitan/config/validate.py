@@ -328,9 +328,12 @@ def _check_rl(cfg: TrainConfig) -> None:
     if rl.generator not in ("native", "vllm"):
         raise _fail("--rl.generator", rl.generator, "expected 'native' (ftitan.infer.generate) or 'vllm' (the "
                     "in-process vLLM engine)")  # fmt: skip
-    if rl.generator == "vllm" and rl.max_offpolicy_steps:
-        raise _fail("--rl.generator", rl.generator, "the vLLM generator runs synchronously for now; use "
-                    "--rl.max-offpolicy-steps 0, or --rl.generator native for async rollouts")  # fmt: skip
+    if rl.worker not in ("thread", "process"):
+        raise _fail("--rl.worker", rl.worker, "expected 'thread' (the async generator in this process) or 'process' "
+                    "(a separate one)")  # fmt: skip
+    if rl.generator == "vllm" and rl.max_offpolicy_steps and rl.worker != "process":
+        raise _fail("--rl.generator", rl.generator, "async rollouts from vLLM run its engine in a generator process: "
+                    "add --rl.worker process (or --rl.max-offpolicy-steps 0 for the in-process engine)")  # fmt: skip
     if cfg.parallel.world_size > 1:
         raise _fail("--parallel", "degrees > 1", "ftitan rl runs on one process for now; drop the --parallel.* degrees")
     if cfg.lora.rank:

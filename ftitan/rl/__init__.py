@@ -1,7 +1,7 @@
 """Reinforcement learning from verifiable rewards: GRPO / DAPO losses, environments, rollouts."""
 
 from ftitan.config.transforms import batch_invariant
-from ftitan.rl.asynchronous import AsyncRollouts, Ledger
+from ftitan.rl.asynchronous import AsyncRollouts, Ledger, ProcessRollouts
 from ftitan.rl.envs import (
     ENVS,
     EpisodeState,
@@ -28,29 +28,30 @@ from ftitan.rl.rollout import Rollouts, episode_rollout, rollout, rows_of, seque
 __all__ = [
     "AsyncRollouts",
     "ENVS",
-    "Ledger",
-    "batch_invariant",
-    "collect",
-    "demonstrations",
-    "episode_rollout",
-    "rl_train",
-    "sequence_rows",
-    "vllm_generate_fn",
     "EpisodeState",
+    "Ledger",
+    "ProcessRollouts",
     "Prompt",
     "Rollouts",
     "SingleTurnEnv",
     "ToolEnv",
+    "batch_invariant",
+    "collect",
+    "demonstrations",
+    "episode_rollout",
     "episode_tokens",
-    "rollout",
-    "rows_of",
-    "run_episode",
-    "single_turn",
-    "user_prompt",
     "group_advantages",
     "grpo_loss_fn",
     "keep_informative_groups",
     "overlong_penalty",
     "policy_loss",
+    "rl_train",
+    "rollout",
+    "rows_of",
+    "run_episode",
+    "sequence_rows",
+    "single_turn",
     "token_logprobs_and_entropy",
+    "user_prompt",
+    "vllm_generate_fn",
 ]

@@ -44,7 +44,7 @@ from ftitan.config.io import config_to_dict
 from ftitan.config.schema import OptimConfig, RLConfig, TrainConfig
 from ftitan.data.chat import ChatTemplate, load_chat_template
 from ftitan.infer import generate
-from ftitan.rl.asynchronous import AsyncRollouts, Ledger
+from ftitan.rl.asynchronous import AsyncRollouts, Ledger, ProcessRollouts
 from ftitan.rl.envs import ENVS, ToolEnv, demonstrations
 from ftitan.rl.losses import group_advantages, grpo_loss_fn, keep_informative_groups, overlong_penalty
 from ftitan.rl.rollout import Rollouts, episode_rollout, rollout, vllm_generate_fn
@@ -66,6 +66,7 @@ class Policy:
     def __init__(self, model: Any, params: Any, tokenizer: Any, template: ChatTemplate) -> None:
         self.model, self.params, self.tokenizer, self.template = model, params, tokenizer, template
         self.generate_fn: Callable[..., Any] = generate  # the generator: native, or vLLM (rollout.vllm_generate_fn)
+        self.source: Path | None = None  # the run directory it was loaded from
 
 
 def sft_stage_config(cfg: TrainConfig, run: Path) -> TrainConfig:
@@ -105,6 +106,13 @@ def _warm_start(cfg: TrainConfig, run: Path, device: torch.device, *, progress: 
         train(sft_stage_config(cfg, run), resume=True, progress=progress)  # a finished stage loads, nothing more
     else:
         src = Path(cfg.rl.init_run)
+    _copy_run_files(src, run)
+    return _load_policy(cfg, src, device)
+
+
+def _load_policy(cfg: TrainConfig, src: Path, device: torch.device) -> Policy:
+    """The policy in run directory ``src``'s newest checkpoint, its model in ``rl.batch_invariant`` mode
+    when asked (the trainer's and a generator process's: the same)."""
     saved, model, params, tok, _ = load_run(src, device=device)
     if saved.model != cfg.model:
         raise ValueError(f"--rl.init-run {src}: its model differs from this run's --model.* (e.g. n_layers "
@@ -115,8 +123,45 @@ def _warm_start(cfg: TrainConfig, run: Path, device: torch.device, *, progress: 
     if saved.lora.rank:
         raise ValueError(f"--rl.init-run {src}: a LoRA run; RL trains full weights for now: merge it first "
                          f"(ftitan convert --run {src} --hf OUT, then --rl.init-run from a run of OUT)")  # fmt: skip
-    _copy_run_files(src, run)
-    return Policy(model, params, tok, load_chat_template(src))
+    if cfg.rl.batch_invariant:  # generator and trainer both run the invariant ops: their log-probs agree bit for bit
+        from ftitan.config.transforms import batch_invariant
+        from ftitan.models import registry
+
+        model = registry.model_for(batch_invariant(model.config))
+    policy = Policy(model, params, tok, load_chat_template(src))
+    policy.source = src
+    return policy
+
+
+def _vllm_generator(cfg: TrainConfig, policy: Policy) -> Any:
+    """The in-process vLLM engine on ``policy``'s pure model (its weights pushed before each batch), made
+    ``policy``'s generator; returns the engine (``ftitan.vllm.close`` it)."""
+    from ftitan import vllm as fv
+
+    llm = fv.engine((policy.model, policy.params), dtype="float32", max_model_len=cfg.data.seq_len + 1,
+                    kv_cache_bytes=64 << 20)  # fmt: skip
+    policy.generate_fn = vllm_generate_fn(llm)
+    return llm
+
+
+def _process_make(cfg: TrainConfig, src: str, device: str) -> Callable[[Any, int], dict[str, torch.Tensor]]:
+    """In a generator process (``--rl.worker process``): the policy rebuilt from the warm start's run
+    directory, and :func:`collect` over it (with its own vLLM engine under ``--rl.generator vllm``)."""
+    policy = _load_policy(cfg, Path(src), torch.device(device))
+    if cfg.rl.generator != "vllm":
+        return functools.partial(collect, cfg, policy, seed=cfg.seed)
+    import atexit
+
+    from ftitan import vllm as fv
+
+    llm = _vllm_generator(cfg, policy)
+    atexit.register(fv.close, llm)
+
+    def make(params: Any, index: int) -> dict[str, torch.Tensor]:
+        fv.push_weights(llm, params)
+        return collect(cfg, policy, params, index, seed=cfg.seed)
+
+    return make
 
 
 def _pad_rows(batch: dict[str, torch.Tensor], width: int, rows: int) -> dict[str, torch.Tensor]:
@@ -266,19 +311,7 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
     run = RunDir.of(cfg)
     _prepare_dir(cfg, run, resume=resume, overwrite=overwrite)
     policy = _warm_start(cfg, run.path, rt.device, progress=progress)
-    if rl.batch_invariant:  # generator and trainer both run the invariant ops: their log-probs agree bit for bit
-        from ftitan.config.transforms import batch_invariant
-        from ftitan.models import registry
-
-        policy.model = registry.model_for(batch_invariant(policy.model.config))
     model = policy.model
-    llm = None
-    if rl.generator == "vllm":  # the in-process engine runs the same pure model; its weights pushed each step
-        from ftitan import vllm as fv
-
-        llm = fv.engine((model, policy.params), dtype="float32", max_model_len=cfg.data.seq_len + 1,
-                        kv_cache_bytes=64 << 20)  # fmt: skip
-        policy.generate_fn = vllm_generate_fn(llm)
     opt = post.optimizer_of(cfg, model, model.init(random.key(cfg.seed), device="meta"))
     mp = cfg.mixed_precision
     precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)
@@ -297,20 +330,30 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
         raise RunDirError(f"--steps={cfg.steps}: the run in {run.path} is already at step {start}; pass --steps "
                           f"above {start} to train further (or --overwrite to start over)")  # fmt: skip
     sink = MetricsSink(run.path, keep_until=start)
-    if start == 0 and rl.eval_prompts:
-        sink.log({"step": 0, **evaluate_policy(cfg, policy, state.params)})
     ledger = Ledger()
     make = functools.partial(collect, cfg, policy, seed=cfg.seed)
-    source: AsyncRollouts | None = None
+    source: AsyncRollouts | ProcessRollouts | None = None
+    llm = None
     threads = torch.get_num_threads()
-    if rl.max_offpolicy_steps:  # the cores split between the generator thread and the trainer
-        torch.set_num_threads(max(1, threads // 2))
-        source = AsyncRollouts(make, state.params, version=start, k=rl.max_offpolicy_steps, ledger=ledger,
-                               spec=batch_spec(cfg), next_index=int(ckpt["rl"]["generator_step"]),
-                               queue=ckpt["rl"]["queue"], threads=max(1, threads - threads // 2))  # fmt: skip
     saver = run.checkpointer(cfg.checkpoint, keep=cfg.keep, cfg_dict=config_to_dict(cfg))
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, unit="step")
     try:
+        if rl.generator == "vllm" and not rl.max_offpolicy_steps:  # the engine samples from the params pushed each step
+            from ftitan import vllm as fv
+
+            llm = _vllm_generator(cfg, policy)
+        if start == 0 and rl.eval_prompts:
+            sink.log({"step": 0, **evaluate_policy(cfg, policy, state.params)})
+        if rl.max_offpolicy_steps:  # the cores split between the generator (a thread or a process) and the trainer
+            torch.set_num_threads(max(1, threads // 2))
+            common = dict(version=start, k=rl.max_offpolicy_steps, ledger=ledger, spec=batch_spec(cfg),
+                          next_index=int(ckpt["rl"]["generator_step"]), queue=ckpt["rl"]["queue"],
+                          threads=max(1, threads - threads // 2))  # fmt: skip
+            if rl.worker == "process":  # it rebuilds the policy from the warm start's run directory
+                factory = functools.partial(_process_make, cfg, str(policy.source), str(rt.device))
+                source = ProcessRollouts(factory, state.params, **common)
+            else:
+                source = AsyncRollouts(make, state.params, **common)
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, unit="step")
         for i in bar:
             if source is None:
                 if llm is not None:
@@ -370,7 +413,7 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
     finally:
         if source is not None:
             source.close()
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
         if llm is not None:
             fv.close(llm)
     sink.close()

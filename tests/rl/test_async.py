@@ -3,13 +3,15 @@ or trained on twice (accounted by ids), stale batches are dropped and counted, a
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from ftitan.rl.asynchronous import AsyncRollouts, Ledger
+from ftitan.rl.asynchronous import AsyncRollouts, Ledger, ProcessRollouts
 
 N = 4
 SPEC = {"ids": ((N,), torch.int64), "x": ((N, 3), torch.float32)}
@@ -105,7 +107,51 @@ def test_paused_queue_round_trips_through_a_checkpoint():
 def test_a_failing_generator_surfaces_in_the_trainer():
     make, _ = make_factory(fail_at=2)
     source = AsyncRollouts(make, {"w": torch.tensor(0.0)}, version=0, k=1, ledger=Ledger(), spec=SPEC)
-    with pytest.raises(RuntimeError, match="generator thread failed: boom"):
+    with pytest.raises(ValueError, match="generator thread failed: boom"):
         drive(source, 5)
     source.close()
     assert not any(t.name == "ftitan-rollouts" and t.is_alive() for t in threading.enumerate())
+
+
+# -- the generator in a separate process (ProcessRollouts): the same guarantees across a process boundary
+
+
+def child_factory(monkeypatch, delay: float, fail_at: int | None = None):
+    """``_rollout_child.make_factory`` by reference: its module on sys.path, which the spawned child inherits."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    import _rollout_child
+
+    return functools.partial(_rollout_child.make_factory, N, delay, fail_at)
+
+
+PSPEC = {**SPEC, "w": ((N,), torch.float32)}
+
+
+def test_a_generator_process_keeps_every_guarantee(monkeypatch):
+    ledger = Ledger()
+    source = ProcessRollouts(child_factory(monkeypatch, 0.05), {"w": torch.tensor(0.0)}, version=0, k=1,
+                             ledger=ledger, spec=PSPEC, threads=1)  # fmt: skip
+    got = drive(source, 6, train_time=0.1)
+    with source.paused() as (queue, next_index):  # a checkpoint: nothing in flight, the queue as tensors
+        n, pending = int(queue["n"]), source.pending_ids()
+        assert n * N == len(pending) and next_index == 6 + n
+    got += drive(source, 4, train_time=0.1, start=6)
+    source.close()
+    assert all(lag <= 1 for _, lag in got) and max(lag for _, lag in got) == 1  # it ran ahead
+    for (batch, lag), step in zip(got, range(10), strict=True):
+        # the weights crossed the process boundary whole: a batch's params are the version it is filed under
+        assert torch.equal(batch["w"], torch.full((N,), float(step - lag)))
+    trained = [i for b, _ in got for i in b["ids"].tolist()]
+    assert len(trained) == len(set(trained)) == 10 * N
+    assert ledger.unaccounted(source.pending_ids()) == set()  # closing drained the child: nothing in flight lost
+    assert not source._proc.is_alive()
+
+
+def test_a_failing_generator_process_surfaces_its_traceback(monkeypatch):
+    source = ProcessRollouts(child_factory(monkeypatch, 0.0, fail_at=2), {"w": torch.tensor(0.0)}, version=0, k=1,
+                             ledger=Ledger(), spec=PSPEC, threads=1)  # fmt: skip
+    with pytest.raises(ValueError, match="generator process failed: boom in the child") as info:
+        drive(source, 5)
+    source.close()
+    assert not source._proc.is_alive()
+    assert "_rollout_child.py" in "".join(info.value.__cause__.__notes__)  # the child's traceback comes along

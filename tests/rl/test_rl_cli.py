@@ -74,12 +74,13 @@ def test_synchronous_resume_is_bit_identical(tmp_path, smoke):
         assert torch.equal(x, y)
 
 
-def test_async_loses_and_reuses_no_rollout_across_a_resume(tmp_path, smoke):
+def test_async_loses_and_reuses_no_rollout_across_a_resume_thread_then_process(tmp_path, smoke):
     run = tmp_path / "run"
     first = rl_train(cfg_for(run, smoke, "--steps", "4", "--ckpt-every", "2", "--rl.max-offpolicy-steps", "1"),
                      progress=False)  # fmt: skip
-    second = rl_train(cfg_for(run, smoke, "--steps", "7", "--ckpt-every", "2", "--rl.max-offpolicy-steps", "1"),
-                      resume=True, progress=False)  # fmt: skip
+    # resumed with the generator in a separate process (a cluster's layout): its queue carries over as well
+    second = rl_train(cfg_for(run, smoke, "--steps", "7", "--ckpt-every", "2", "--rl.max-offpolicy-steps", "1",
+                              "--rl.worker", "process"), resume=True, progress=False)  # fmt: skip
     assert second["start_step"] == 4
     for out in (first, second):
         lags = [r["rl.lag"] for r in out["records"] if "rl.lag" in r]

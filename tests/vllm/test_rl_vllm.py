@@ -40,4 +40,25 @@ def test_vllm_generator_without_the_mode_agrees_to_rounding(tmp_path, warm, engi
     engines("llama", "none")
     steps = run_with_vllm(tmp_path, warm)
     kls = [r["mismatch_kl"] for r in steps]
-    assert all(abs(k) < 1e-6 for k in kls) and any(k != 0.0 for k in kls)
+    # (that they differ at all without the mode depends on the machine's GEMM blocking for these shapes: on
+    # some CPUs this run's are equal; test_batch_invariant shows the difference across batch sizes)
+    assert all(abs(k) < 1e-6 for k in kls)
+
+
+@pytest.mark.slow
+def test_async_vllm_generator_in_its_own_process(tmp_path, warm, engines):
+    """The cluster layout: the engine lives in a generator process, which samples batch n + 1 while the trainer
+    trains on n; every rollout is trained once, and a batch made from the trainer's current version has no
+    mismatch (batch-invariant mode)."""
+    engines("llama", "none")
+    cfg = parse_train_args([*COMMON, "--rl.init-run", str(warm), "--rl.sft-steps", "0", "--steps", "4",
+                            "--run-dir", str(tmp_path / "run"), "--rl.generator", "vllm", "--rl.batch-invariant",
+                            "True", "--rl.max-offpolicy-steps", "1", "--rl.worker", "process"], rl=True)  # fmt: skip
+    out = rl_train(cfg, progress=False)
+    steps = [r for r in out["records"] if "loss" in r]
+    assert len(steps) == 4 and max(r["rl.lag"] for r in steps) <= 1
+    assert all(r["mismatch_kl"] == 0.0 for r in steps if r["rl.lag"] == 0) and steps[0]["rl.lag"] == 0
+    ledger = out["ledger"]
+    assert len(ledger.trained_ids) == len(set(ledger.trained_ids)) == 4 * 4 * 8
+    left = ledger.made_ids - set(ledger.trained_ids) - set(ledger.dropped_ids)
+    assert len(left) <= 1 * 4 * 8  # the rest: at most k batches, in the last checkpoint's queue
