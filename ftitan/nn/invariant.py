@@ -10,13 +10,15 @@ order fixed by the data of one row alone:
   index 0, zero-padded at the end. Appending zeros never changes a value
   (``x + 0 == x``), so a row reduced over ``n`` or over ``n + pad`` entries,
   masked ones contributing exact zeros, gives the same bits.
-- **matmuls** (:func:`linear`, :func:`grouped_mm`): GEMMs of one fixed shape,
-  ``TILE`` rows at a time (``torch.bmm`` over row tiles, rows zero-padded). A
-  BLAS picks its kernel, blocking and K-split from the shape, so a plain ``mm``
-  over ``M`` rows sums each row in an order that depends on ``M`` (this CPU:
-  ``x[:m] @ w.T`` differs from ``(x @ w.T)[:m]`` for small ``m``); a fixed tile
-  shape has one order, the same for every row in every tile (checked by
-  ``tests/nn/test_invariant.py`` on the machine that runs it).
+- **matmuls** (:func:`linear`, :func:`grouped_mm`): batched GEMMs over row
+  tiles (``torch.bmm``, rows zero-padded), at least two tiles of a multiple of
+  ``TILE`` rows. A BLAS picks its kernel, blocking and K-split from the shape
+  and the threads, so a plain ``mm`` over ``M`` rows sums each row in an order
+  that depends on ``M`` (this CPU: ``x[:m] @ w.T`` differs from ``(x @ w.T)[:m]``
+  for small ``m``, and a threaded GEMM with ``K >= 1024`` splits the sum over
+  threads); each tile of a batched GEMM runs on one thread, in one order for
+  every row, whatever the tile's rows (checked by ``tests/nn/test_invariant.py``
+  on the machine that runs it).
 - **attention** (:func:`attention`): ``q k^T`` and ``p v`` in GEMMs of fixed
   ``(TILE, KEY_BLOCK)`` tiles, key blocks aligned from key 0; the softmax
   max is exact in any order and its sum and the blocks' partial ``p v`` are
@@ -58,6 +60,7 @@ from ftitan.kernels.autodiff import plain_reverse_mode
 __all__ = [
     "IMPL",
     "KEY_BLOCK",
+    "MAX_TILE",
     "TILE",
     "attention",
     "cos_sin",
@@ -86,19 +89,40 @@ def enabled(cfg: Any) -> bool:
     return getattr(cfg, "attn_impl", None) == IMPL
 
 
-def tree_sum(x: torch.Tensor, dim: int = -1, *, keepdim: bool = False) -> torch.Tensor:
-    """Sum over ``dim`` as a pairwise tree from index 0 (``((x0 + x1) + (x2 + x3)) + ...``), zero-padded.
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
 
-    Elementwise adds only, so each output depends on its own inputs alone; trailing zeros do not
-    change the result, so the length may grow with padding or masked entries."""
-    dim = dim % x.dim()
-    x = x.movedim(dim, -1)
+
+def _with_grad_of(value: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
+    """``value`` (computed without autograd), carrying ``plain``'s derivative: ``value + (plain - plain)``,
+    whose second term is an exact zero where ``plain`` is finite (and is made zero elsewhere). The
+    backward is then ``plain``'s few ops rather than the derivative of the fixed-order formula's many,
+    and it works under every transform (grad, vjp, jvp, vmap)."""
+    zero = plain - plain.detach()
+    return value + torch.where(torch.isfinite(plain.detach()), zero, torch.zeros_like(zero))
+
+
+def _tree_sum_value(x: torch.Tensor) -> torch.Tensor:  # over the last dim
     while x.shape[-1] > 1:
         if x.shape[-1] % 2:
             x = F.pad(x, (0, 1))
         x = x[..., 0::2] + x[..., 1::2]
-    x = x[..., 0] if x.shape[-1] == 1 else x.sum(-1)  # length 0: zeros
-    return x.unsqueeze(dim) if keepdim else x
+    return x[..., 0] if x.shape[-1] == 1 else x.sum(-1)  # length 0: zeros
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, *, keepdim: bool = False) -> torch.Tensor:
+    """Sum over ``dim`` as a pairwise tree from index 0 (``((x0 + x1) + (x2 + x3)) + ...``), zero-padded.
+
+    Elementwise adds only, so each output depends on its own inputs alone; trailing zeros do not
+    change the result, so the length may grow with padding or masked entries. The gradient is a
+    sum's (the incoming gradient broadcast)."""
+    dim = dim % x.dim()
+    x = x.movedim(dim, -1)
+    if _needs_grad(x):
+        out = _with_grad_of(_tree_sum_value(x.detach()), x.sum(-1))
+    else:
+        out = _tree_sum_value(x)
+    return out.unsqueeze(dim) if keepdim else out
 
 
 # Cephes' expf / logf (Moshier 1992): range reduction and a polynomial in + - * / only, which round the same
@@ -116,19 +140,25 @@ def _horner(coefs: tuple[float, ...], x: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp`` (float32: Cephes' ``expf``, within 2 ulp; 0 below -87, so ``exp(-inf) == 0``) computed the same
-    by eager ATen, wherever the element sits, and by inductor. Differentiable (through the polynomial).
-
-    ``torch.exp`` is MKL's or Sleef's in eager and inductor's own vectorized one compiled: 1 ulp apart."""
-    if x.dtype != torch.float32:
-        return torch.exp(x)
+def _exp_value(x: torch.Tensor) -> torch.Tensor:  # float32
     xc = x.clamp(-87.0, 88.0)
     n = torch.floor(xc * _LOG2E + 0.5)
     r = (xc - n * _LN2_HI) - n * _LN2_LO
     y = (_horner(_EXP_POLY, r) * (r * r) + r) + 1.0
     two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)  # 2 ** n, exact
     return torch.where(x < -87.0, torch.zeros_like(y), y * two_n)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp`` (float32: Cephes' ``expf``, within 2 ulp; 0 below -87, so ``exp(-inf) == 0``) computed the same
+    by eager ATen, wherever the element sits, and by inductor. The gradient is ``torch.exp``'s.
+
+    ``torch.exp`` is MKL's or Sleef's in eager and inductor's own vectorized one compiled: 1 ulp apart."""
+    if x.dtype != torch.float32:
+        return torch.exp(x)
+    if _needs_grad(x):
+        return _with_grad_of(_exp_value(x.detach()), torch.exp(x))
+    return _exp_value(x)
 
 
 def _log_value(x: torch.Tensor) -> torch.Tensor:  # float32, finite x > 0 (normal)
@@ -146,14 +176,12 @@ def _log_value(x: torch.Tensor) -> torch.Tensor:  # float32, finite x > 0 (norma
 
 def log(x: torch.Tensor) -> torch.Tensor:
     """``log`` of finite positive float32 ``x`` (Cephes' ``logf``; see :func:`exp` for why not ``torch.log``);
-    the gradient is ``1 / x`` (``torch.log``'s, added as an exact zero in value)."""
+    the gradient is ``torch.log``'s."""
     if x.dtype != torch.float32:
         return torch.log(x)
-    y = _log_value(x.detach())
-    if torch.is_grad_enabled() and x.requires_grad:
-        ln = torch.log(x)
-        y = y + (ln - ln.detach())  # value: y + 0 exactly; gradient: d log / dx
-    return y
+    if _needs_grad(x):
+        return _with_grad_of(_log_value(x.detach()), torch.log(x))
+    return _log_value(x)
 
 
 # Cephes' sinf / cosf polynomials on |z| <= pi/4; the reduction by pi/4 in float64 (three-part Cody-Waite
@@ -200,11 +228,34 @@ def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return (e / tree_sum(e, keepdim=True)).movedim(-1, dim)
 
 
+def _log_softmax_value(x: torch.Tensor) -> torch.Tensor:  # over the last dim
+    shifted = x - _row_max(x)
+    return shifted - log(tree_sum(exp(shifted), keepdim=True))
+
+
+class _InvariantLogSoftmax(torch.autograd.Function):
+    """The invariant value; the backward is log-softmax's usual ``g - softmax * sum(g)`` (in any order)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return _log_softmax_value(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return g - torch.exp(out) * g.sum(-1, keepdim=True)
+
+
 def log_softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``log_softmax`` over ``dim``: ``x - max - log(tree_sum(exp(x - max)))``."""
     x = x.movedim(dim, -1)
-    shifted = x - _row_max(x)
-    return (shifted - log(tree_sum(exp(shifted), keepdim=True))).movedim(-1, dim)
+    if _needs_grad(x) and plain_reverse_mode():
+        return _InvariantLogSoftmax.apply(x).movedim(-1, dim)
+    return _log_softmax_value(x).movedim(-1, dim)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -217,9 +268,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- matmuls
 
 
-def _tiles(x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M_pad / TILE, TILE, K), rows zero-padded
-    pad = -x.shape[0] % TILE
-    return (F.pad(x, (0, 0, 0, pad)) if pad else x).view(-1, TILE, x.shape[1])
+MAX_TILE = 256  # rows of the largest GEMM tile (a multiple of TILE)
+
+
+def _tiles(x: torch.Tensor) -> torch.Tensor:  # (M, K) -> (tiles, rows, K), rows zero-padded, >= 2 tiles
+    """``x``'s rows in at least two tiles of the same multiple of ``TILE`` rows, at most ``MAX_TILE``.
+
+    The BLAS runs each tile of a batched GEMM on one thread with one kernel, whose sum over ``K`` has an
+    order that depends on neither the tile's row count (a multiple of ``TILE``) nor the other tiles
+    (checked on the running machine by ``tests/nn/test_invariant.py``). A batch of one tile is threaded
+    inside the GEMM instead, which splits ``K`` across threads for ``K >= 1024`` (this CPU: a different
+    order, and not even the same bits run to run), so one tile's rows get a zero tile beside them."""
+    units = -(-x.shape[0] // TILE)
+    per = max(1, min(MAX_TILE // TILE, units // 2))  # TILE-row units per tile: big tiles for speed, >= 2 of them
+    n = max(2, -(-units // per))
+    pad = n * per * TILE - x.shape[0]
+    return (F.pad(x, (0, 0, 0, pad)) if pad else x).view(n, per * TILE, x.shape[1])
 
 
 def _tiled_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (M, K), (N, K) -> (M, N) = x @ w.T
@@ -250,7 +314,7 @@ def linear(
     w: torch.Tensor,  # (out, in)
     b: torch.Tensor | None = None,  # (out,)
 ) -> torch.Tensor:  # (..., out)
-    """``x @ w.T + b``, each row computed in a GEMM of fixed shape ``(TILE, in) @ (in, out)``."""
+    """``x @ w.T + b``, each row computed in one tile of a batched GEMM (see :func:`_tiles`)."""
     if not isinstance(w, torch.Tensor):
         raise ValueError(
             f"batch-invariant linear: the weight is a {type(w).__name__} (a runtime's prepacked GEMM), whose "
@@ -291,26 +355,63 @@ def grouped_mm(
 # ---------------------------------------------------------------------------------------------- attention
 
 
+def _two_or_more(x: torch.Tensor) -> torch.Tensor:  # a batched GEMM's operand, >= 2 entries (see _tiles)
+    return torch.cat([x, torch.zeros_like(x)]) if x.shape[0] == 1 else x
+
+
 def _blocked_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """(N, Mp, D) @ (N, Sp, D)^T -> (N, Mp, Sp), one (TILE, D) @ (D, KEY_BLOCK) GEMM per tile pair."""
-    n, mp, d = q.shape
-    sp = k.shape[1]
-    mt, st = mp // TILE, sp // KEY_BLOCK
-    a = q.view(n, mt, 1, TILE, d).expand(n, mt, st, TILE, d).reshape(-1, TILE, d)
-    b = k.view(n, 1, st, KEY_BLOCK, d).expand(n, mt, st, KEY_BLOCK, d).reshape(-1, KEY_BLOCK, d)
-    s = torch.bmm(a, b.transpose(1, 2)).view(n, mt, st, TILE, KEY_BLOCK)
-    return s.permute(0, 1, 3, 2, 4).reshape(n, mp, sp)
+    """(N, Mp, D) @ (N, Sp, D)^T -> (N, Mp, Sp): one batched GEMM, whose tiles' sums over ``D`` have one order
+    for every (query, key) whatever ``Mp`` and ``Sp`` (multiples of ``TILE``, ``KEY_BLOCK``; see :func:`_tiles`)."""
+    n = q.shape[0]
+    return torch.bmm(_two_or_more(q), _two_or_more(k).transpose(1, 2))[:n]
 
 
 def _blocked_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(N, Mp, Sp) @ (N, Sp, Dv) -> (N, Mp, Dv): a GEMM per (query tile, key block), blocks tree-summed."""
+    """(N, Mp, Sp) @ (N, Sp, Dv) -> (N, Mp, Dv): a GEMM per ``KEY_BLOCK`` keys (a sum over 16 keys: one
+    order), the blocks' partial products tree-summed from key 0."""
     n, mp, sp = p.shape
     dv = v.shape[2]
-    mt, st = mp // TILE, sp // KEY_BLOCK
-    a = p.view(n, mt, TILE, st, KEY_BLOCK).permute(0, 1, 3, 2, 4).reshape(-1, TILE, KEY_BLOCK)
-    b = v.view(n, 1, st, KEY_BLOCK, dv).expand(n, mt, st, KEY_BLOCK, dv).reshape(-1, KEY_BLOCK, dv)
-    part = torch.bmm(a, b).view(n, mt, st, TILE, dv)
-    return tree_sum(part, dim=2).reshape(n, mp, dv)
+    st = sp // KEY_BLOCK
+    a = p.view(n, mp, st, KEY_BLOCK).transpose(1, 2).reshape(n * st, mp, KEY_BLOCK)
+    part = torch.bmm(_two_or_more(a), _two_or_more(v.reshape(n * st, KEY_BLOCK, dv)))[: n * st]
+    return tree_sum(part.view(n, st, mp, dv), dim=1)
+
+
+def _attention_core(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, bias: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(N, Mp, D), (N, Sp, D), (N, Sp, Dv), (N, Mp, Sp) -> the output (N, Mp, Dv) and the softmax
+    numerators (N, Mp, Sp) and denominators (N, Mp, 1)."""
+    scores = _blocked_scores(qr, kr) * scale + bias
+    p = exp(scores - _row_max(scores))
+    # a real query sees its max once (exp(0) = 1), so the clamp only touches the padding rows (0 / 0)
+    denom = tree_sum(p, keepdim=True).clamp(min=1.0)
+    return _blocked_pv(p, vr) / denom, (p, denom)
+
+
+class _InvariantAttention(torch.autograd.Function):
+    """:func:`_attention_core`'s forward; the backward is attention's usual one (``dS = P * (dP - rowsum(dO *
+    O))``) from the saved probabilities: gradients need no fixed order, and differentiating the blocked,
+    tree-summed forward op by op costs several times more."""
+
+    @staticmethod
+    def forward(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, bias: torch.Tensor,  # type: ignore[override]
+                scale: float) -> torch.Tensor:  # fmt: skip
+        return _attention_core(qr, kr, vr, bias, scale)[0]
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        qr, kr, vr, bias, scale = inputs
+        scores = torch.bmm(qr, kr.transpose(1, 2)) * scale + bias  # the probabilities again, in any order
+        ctx.save_for_backward(qr, kr, vr, torch.softmax(scores, -1).nan_to_num(0.0), output)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+        qr, kr, vr, p, out = ctx.saved_tensors
+        dv = torch.bmm(p.transpose(1, 2), g)
+        dp = torch.bmm(g, vr.transpose(1, 2))
+        ds = p * (dp - (g * out).sum(-1, keepdim=True)) * ctx.scale
+        return torch.bmm(ds, kr), torch.bmm(ds.transpose(1, 2), qr), dv, None, None
 
 
 def attention(
@@ -339,9 +440,12 @@ def attention(
     bias = torch.zeros((), dtype=acc, device=q.device).masked_fill(~mask, float("-inf"))
     bias = (bias if bias.dim() == 3 else bias.expand(b, t, s))[:, None, None].expand(b, kv, g, t, s)
     bias = F.pad(bias.reshape(b * kv, g * t, s), (0, sp - s, 0, mp - g * t), value=float("-inf"))
-    scores = _blocked_scores(qr, kr) * scale + bias
-    p = exp(scores - _row_max(scores))
-    # a real query sees its max once (exp(0) = 1), so the clamp only touches the padding rows (0 / 0)
-    out = _blocked_pv(p, vr) / tree_sum(p, keepdim=True).clamp(min=1.0)
+    if _needs_grad(qr) or _needs_grad(kr) or _needs_grad(vr):
+        if plain_reverse_mode():  # the backward: the ordinary attention gradient from the saved probabilities
+            out = _InvariantAttention.apply(qr, kr, vr, bias, scale)
+        else:
+            out = _attention_core(qr, kr, vr, bias, scale)[0]
+    else:
+        out = _attention_core(qr, kr, vr, bias, scale)[0]
     out = out[:, : g * t].reshape(b, kv, g, t, dv).permute(0, 3, 1, 2, 4).reshape(b, t, h, dv)
     return out.to(v.dtype)

@@ -24,9 +24,11 @@ def test_quick_run_reports_honest_ratios_and_accounts_for_every_rollout(tmp_path
     assert printed["goal_is"] == "max"
     assert printed["met"] == all(printed["ratios"][k] <= v for k, v in printed["goals"].items())
     rl = res["rl"]
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "async_process"):
         assert rl[mode]["runs"] == 2 and rl[mode]["rollouts_trained"] == 2 * 2 * 2 * 4  # runs x steps x P x G
         assert rl[mode]["rollouts_reused"] == 0
-    assert rl["sync"]["max_lag"] == 0 and rl["async"]["max_lag"] <= 1
+    assert rl["sync"]["max_lag"] == 0 and rl["async"]["max_lag"] <= 1 and rl["async_process"]["max_lag"] <= 1
     assert printed["reported"]["async/sync_steps_per_s"] == pytest.approx(
         rl["async"]["steps_per_s"] / rl["sync"]["steps_per_s"])
+    assert printed["reported"]["async_process/sync_steps_per_s"] == pytest.approx(
+        rl["async_process"]["steps_per_s"] / rl["sync"]["steps_per_s"])
