@@ -259,14 +259,16 @@ def grpo_arith() -> TrainConfig:
 def grpo_tools() -> TrainConfig:
     """Multi-turn tool use (``ftitan rl``, environment ``prices``): the policy looks a price up with
     ``<tool>lookup: pear</tool>``, multiplies with ``<tool>calculator: 7 * 3</tool>`` and answers; each tool
-    result comes back as a ``tool`` turn that is never trained on. A short SFT stage on solved episodes
-    teaches the call syntax first."""
+    result comes back as a ``tool`` turn that is never trained on. An SFT stage of 300 steps on solved
+    episodes comes first (60 taught the syntax but not to copy the fruit's name: sampled reward ~0.01);
+    its greedy held-out reward is 1.0 and its sampled reward ~0.3, which RL at lr 1e-4 holds over 40 steps."""
     base = grpo_arith()
     model = compose(with_vocab(512), with_max_seq_len(256))(base.model)  # the tool help makes prompts long
     return attrs.evolve(
         base, model=model,
         data=attrs.evolve(base.data, vocab_size=512, seq_len=256, batch_size=8),
-        rl=attrs.evolve(base.rl, env="prices", sft_steps=60, max_new_tokens=20, prompts=4),
+        optim=attrs.evolve(base.optim, lr=1e-4),  # at 3e-4 the sampled reward drifted down (0.33 -> 0.13, 30 steps)
+        rl=attrs.evolve(base.rl, env="prices", sft_steps=300, max_new_tokens=20, prompts=4),
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ def test_tree_sum_ignores_trailing_zeros():
 def test_linear_row_alone_equals_row_in_any_batch(k: int, n: int):
     x, w, b = _randn(300, k, seed=1), _randn(n, k, seed=2) * k**-0.5, _randn(n, seed=3)
     alone = torch.stack([inv.linear(x[i : i + 1], w, b)[0] for i in range(8)])
-    for m in (1, 2, 3, 5, 15, 16, 17, 64, 300, 1000):  # 1 tile of 16 (beside a zero one) ... 4 of 256
+    for m in (1, 2, 3, 5, 15, 16, 17, 64, 300, 500):  # 1 tile of 16 (beside a zero one) ... 32 tiles
         rows = _randn(m, k, seed=m)
         where = torch.randperm(m, generator=torch.Generator().manual_seed(m))[: min(m, 8)]
         rows[where] = x[: len(where)]

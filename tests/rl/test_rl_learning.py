@@ -42,5 +42,7 @@ def test_grpo_tools_trains_multi_turn_episodes(tmp_path):
     steps = [r for r in records if "loss" in r]
     assert len(steps) == 20 and all(math.isfinite(r["loss"]) for r in steps)
     held = [r["eval.reward"] for r in records if "eval.reward" in r]
-    assert held[0] > 0  # the SFT stage taught the tool calls: some held-out episodes end right
+    assert held[0] >= 0.8  # the SFT stage taught the tool calls and to copy the fruit's name
+    assert held[-1] >= held[0] - 0.2  # and RL keeps it
+    assert sum(r["reward"] for r in steps) / 20 > 0.1  # sampled episodes solve it too, some of the time
     assert sum(r["response_length"] for r in steps) / 20 > 15  # several turns per episode
