@@ -19,10 +19,11 @@ order fixed by the data of one row alone:
   threads); each tile of a batched GEMM runs on one thread, in one order for
   every row, whatever the tile's rows (checked by ``tests/nn/test_invariant.py``
   on the machine that runs it).
-- **attention** (:func:`attention`): ``q k^T`` and ``p v`` in GEMMs of fixed
-  ``(TILE, KEY_BLOCK)`` tiles, key blocks aligned from key 0; the softmax
-  max is exact in any order and its sum and the blocks' partial ``p v`` are
-  :func:`tree_sum`'d. A query over ``T`` keys (prefill, training) and over
+- **attention** (:func:`attention`): ``q k^T`` in one batched GEMM (its sums
+  over the head dim have one order whatever the query and key counts, multiples
+  of ``TILE`` and ``KEY_BLOCK``), ``p v`` per ``KEY_BLOCK`` keys aligned from key
+  0; the softmax max is exact in any order and its sum and the blocks' partial
+  ``p v`` are :func:`tree_sum`'d. A query over ``T`` keys (prefill, training) and over
   ``S >= T`` cache slots (decode, the rest masked) gives the same bits, provided
   the row's first key is at index 0 (``ftitan.infer.KVCache`` rotates
   left-padded rows so).
@@ -351,7 +352,7 @@ def grouped_mm(
     rows = torch.arange(m, device=x.device)
     group = (rows[:, None] >= ends[None, :]).sum(-1).clamp(max=g - 1)  # (M,)
     dest = (tile_end - (counts + TILE - 1) // TILE)[group] * TILE + rows - (ends - counts)[group]
-    n_tiles = (m + g * (TILE - 1)) // TILE
+    n_tiles = max(2, (m + g * (TILE - 1)) // TILE)  # >= 2: a one-tile batched GEMM is threaded inside (see _tiles)
     xp = x.new_zeros(n_tiles * TILE, x.shape[1]).index_copy(0, dest, x)
     tile_group = (torch.arange(n_tiles, device=x.device)[:, None] >= tile_end[None, :]).sum(-1).clamp(max=g - 1)
     out = torch.bmm(xp.view(n_tiles, TILE, -1), w[tile_group])
@@ -384,14 +385,14 @@ def _blocked_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_core(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, bias: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(N, Mp, D), (N, Sp, D), (N, Sp, Dv), (N, Mp, Sp) -> the output (N, Mp, Dv) and the softmax
-    numerators (N, Mp, Sp) and denominators (N, Mp, 1)."""
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(N, Mp, D), (N, Sp, D), (N, Sp, Dv), (N, Mp, Sp) -> the output (N, Mp, Dv), the softmax numerators
+    (N, Mp, Sp) and denominators (N, Mp, 1)."""
     scores = _blocked_scores(qr, kr) * scale + bias
     p = exp(scores - _row_max(scores))
     # a real query sees its max once (exp(0) = 1), so the clamp only touches the padding rows (0 / 0)
     denom = tree_sum(p, keepdim=True).clamp(min=1.0)
-    return _blocked_pv(p, vr) / denom, (p, denom)
+    return _blocked_pv(p, vr) / denom, p, denom
 
 
 class _InvariantAttention(torch.autograd.Function):
@@ -401,18 +402,20 @@ class _InvariantAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, bias: torch.Tensor,  # type: ignore[override]
-                scale: float) -> torch.Tensor:  # fmt: skip
-        return _attention_core(qr, kr, vr, bias, scale)[0]
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        out, p, denom = _attention_core(qr, kr, vr, bias, scale)
+        return out, p / denom  # the output, and the probabilities the backward reads (not differentiable)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        qr, kr, vr, bias, scale = inputs
-        scores = torch.bmm(qr, kr.transpose(1, 2)) * scale + bias  # the probabilities again, in any order
-        ctx.save_for_backward(qr, kr, vr, torch.softmax(scores, -1).nan_to_num(0.0), output)
+        qr, kr, vr, _, scale = inputs
+        out, probs = output
+        ctx.mark_non_differentiable(probs)
+        ctx.save_for_backward(qr, kr, vr, probs, out)
         ctx.scale = scale
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor, _: Any):  # type: ignore[override]
         qr, kr, vr, p, out = ctx.saved_tensors
         dv = torch.bmm(p.transpose(1, 2), g)
         dp = torch.bmm(g, vr.transpose(1, 2))
@@ -446,11 +449,8 @@ def attention(
     bias = torch.zeros((), dtype=acc, device=q.device).masked_fill(~mask, float("-inf"))
     bias = (bias if bias.dim() == 3 else bias.expand(b, t, s))[:, None, None].expand(b, kv, g, t, s)
     bias = F.pad(bias.reshape(b * kv, g * t, s), (0, sp - s, 0, mp - g * t), value=float("-inf"))
-    if _needs_grad(qr) or _needs_grad(kr) or _needs_grad(vr):
-        if plain_reverse_mode():  # the backward: the ordinary attention gradient from the saved probabilities
-            out = _InvariantAttention.apply(qr, kr, vr, bias, scale)
-        else:
-            out = _attention_core(qr, kr, vr, bias, scale)[0]
+    if any(map(_needs_grad, (qr, kr, vr))) and plain_reverse_mode():  # the ordinary attention backward
+        out = _InvariantAttention.apply(qr, kr, vr, bias, scale)[0]
     else:
         out = _attention_core(qr, kr, vr, bias, scale)[0]
     out = out[:, : g * t].reshape(b, kv, g, t, dv).permute(0, 3, 1, 2, 4).reshape(b, t, h, dv)

@@ -31,7 +31,7 @@ def test_tree_sum_ignores_trailing_zeros():
 def test_linear_row_alone_equals_row_in_any_batch(k: int, n: int):
     x, w, b = _randn(300, k, seed=1), _randn(n, k, seed=2) * k**-0.5, _randn(n, seed=3)
     alone = torch.stack([inv.linear(x[i : i + 1], w, b)[0] for i in range(8)])
-    for m in (1, 2, 3, 5, 15, 16, 17, 64, 300, 500):  # 1 tile of 16 (beside a zero one) ... 32 tiles
+    for m in (1, 2, 3, 5, 15, 16, 17, 64, 300, 500, 1000):  # 1 tile of 16 (beside a zero one), 3 of 144, 2 / 4 of 256
         rows = _randn(m, k, seed=m)
         where = torch.randperm(m, generator=torch.Generator().manual_seed(m))[: min(m, 8)]
         rows[where] = x[: len(where)]
@@ -115,6 +115,11 @@ def test_grouped_mm_rows_do_not_depend_on_the_routing():
     assert torch.equal(alone[0], full[12])
     some = inv.grouped_mm(x[5:40], w, torch.tensor([5, 5, 28, 35], dtype=torch.int32))
     assert torch.equal(some, full[5:40])
+    # one expert, K >= 1024: a row alone (one tile of real rows) equals the row among many
+    w1, x1 = _randn(1, 1024, 64, seed=11), _randn(40, 1024, seed=12)
+    many = inv.grouped_mm(x1, w1, torch.tensor([40], dtype=torch.int32))
+    for i in (0, 17, 39):
+        assert torch.equal(inv.grouped_mm(x1[i : i + 1], w1, torch.tensor([1], dtype=torch.int32))[0], many[i])
 
 
 def test_gradients_flow_and_match_the_default_ops():
