@@ -86,13 +86,18 @@ class KVCache(NamedTuple):
             written.append(buf.index_put_(where, new) if inplace else buf.index_put(where, new))
         keys, values = written
         key_slot = torch.arange(s, device=k.device)
-        mask = (key_slot >= self.start[:, None, None]) & (key_slot <= slot[:, :, None])  # (B, T, S)
-        mask = mask | (key_slot == slot[:, :, None])  # a padding query (before start) sees itself
         ks, vs = keys, values
         if impl == nn.invariant.IMPL:  # its reductions run in blocks from key 0: rotate each row's start there
             logical = (self.start[:, None] + key_slot) % s  # (B, S): slot of the row's j-th key
             ks, vs = (buf.gather(1, logical[:, :, None, None].expand_as(buf)) for buf in (keys, values))
-            mask = mask.gather(2, logical[:, None, :].expand_as(mask))
+            # the mask below, rotated: key j of a query ``past`` slots after its row's start is visible if
+            # j <= past, and a padding query (past < 0) sees itself, now key past + S (two comparisons:
+            # inductor inlines the mask into every use, and a gathered one costs a modulo per element there)
+            past = (slot - self.start[:, None])[:, :, None]  # (B, T, 1)
+            mask = (key_slot <= past) | (key_slot == past + s)
+        else:
+            mask = (key_slot >= self.start[:, None, None]) & (key_slot <= slot[:, :, None])  # (B, T, S)
+            mask = mask | (key_slot == slot[:, :, None])  # a padding query (before start) sees itself
         o = nn.attention(q, ks.to(q.dtype), vs.to(q.dtype), impl=impl, causal=False, scale=scale, mask=mask)
         layers = {**self.layers, str(layer): {"k": keys, "v": values}}
         return o, KVCache(layers, self.start, self.end)

@@ -40,11 +40,14 @@ GREEDY_CHUNK = 4
 
 
 class Steps(NamedTuple):
-    """A model's generation steps, all consuming their cache (``donate=True``)."""
+    """A model's generation steps, all consuming their cache (``donate=True``), and the softmaxes that
+    sample from and score its logits."""
 
     prefill: PrefillFn
     decode_step: DecodeFn
     greedy: GreedyFn | None  # GREEDY_CHUNK argmax steps per call; compiled only (None: eager)
+    softmax: Callable[..., torch.Tensor]  # (x, dim) -> probabilities: the model's mode's (batch-invariant or not)
+    log_softmax: Callable[..., torch.Tensor]  # (x, dim) -> log-probabilities, likewise
 
 
 # compiled steps by (model, compile): a new closure per call would compile again on every generate
@@ -92,9 +95,14 @@ def steps_for(model: Any, *, compile: Compile = False) -> Steps:
     # generate never reads a cache twice, so the steps write into it in place (donate)
     prefill, decode = make_prefill(model, donate=True), make_decode_step(model, donate=True)
     greedy = make_greedy_decode(model, steps=GREEDY_CHUNK, donate=True) if compile else None
+    invariant = nn_invariant.enabled(model.config)
+    softmax = nn_invariant.softmax if invariant else torch.softmax
+    log_softmax = nn_invariant.log_softmax if invariant else torch.log_softmax
     if compile:
         decode, greedy = _compiled(decode, compile), _compiled(greedy, compile)
-    steps = Steps(prefill, decode, greedy)
+        if invariant:  # some twenty elementwise ops each, one kernel compiled (the same bits: ftitan.nn.invariant)
+            softmax, log_softmax = _compiled(softmax, compile), _compiled(log_softmax, compile)
+    steps = Steps(prefill, decode, greedy, softmax, log_softmax)
     _STEPS[(id(model.apply), compile)] = (model.apply, steps)
     return steps
 
@@ -194,11 +202,10 @@ def generate(
             if made:
                 logits, cache = steps.decode_step(params, _last(drawn), cache)
             step_keys = None if keys is None else [random.fold_in(k, made) for k in keys]
-            drawn_now = logits.argmax(-1) if keys is None else sample(logits, step_keys, rows, invariant=invariant)
+            drawn_now = logits.argmax(-1) if keys is None else sample(logits, step_keys, rows, softmax=steps.softmax)
             chunk = drawn_now[:, None]
             if logprobs:  # the batch-invariant mode: the trainer's own log-softmax (ftitan.train.dpo.token_logprobs)
-                log_softmax = nn_invariant.log_softmax if invariant else torch.log_softmax
-                scored.append(log_softmax(logits.float(), dim=-1).gather(1, chunk))  # (B, 1)
+                scored.append(steps.log_softmax(logits.float(), dim=-1).gather(1, chunk))  # (B, 1)
         drawn.append(chunk)
         made += chunk.shape[1]
         if stop:

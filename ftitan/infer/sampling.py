@@ -9,7 +9,7 @@ probability ``p_i`` after the filters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -45,7 +45,7 @@ class Sampling:
 GREEDY = Sampling(temperature=0.0)
 
 
-def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling], *, invariant: bool = False
+def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling], softmax: Callable[..., torch.Tensor]
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per row: probabilities in descending order after temperature, top-k and top-p, and that order."""
     v = logits.shape[-1]
@@ -55,7 +55,7 @@ def _filtered_probs(logits: torch.Tensor, rows: Sequence[Sampling], *, invariant
     ordered, order = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
     keep = torch.arange(v, device=logits.device) < top_k[:, None]
     kept = ordered.masked_fill(~keep, float("-inf"))
-    probs = nn_invariant.softmax(kept, dim=-1) if invariant else torch.softmax(kept, dim=-1)
+    probs = softmax(kept, dim=-1)
     # drop a token when the mass before it already reaches top_p (the most likely one always stays)
     keep = keep & (probs.cumsum(-1) - probs < top_p[:, None])
     return probs.masked_fill(~keep, 0.0), order
@@ -67,10 +67,12 @@ def sample(
     sampling: Sampling | Sequence[Sampling] = GREEDY,
     *,
     invariant: bool = False,
+    softmax: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:  # (B,) int64
     """One token per row of ``logits``, by that row's ``Sampling`` (one for all rows, or one per row).
     ``invariant``: the softmax with a fixed-order sum (``ftitan.nn.invariant``), so a row draws the
-    same token whatever the batch (the batch-invariant mode)."""
+    same token whatever the batch (the batch-invariant mode); ``softmax`` (``(x, dim) -> probs``)
+    overrides the choice (``ftitan.infer.generate`` passes its steps' own, compiled with them)."""
     b = logits.shape[0]
     rows = [sampling] * b if isinstance(sampling, Sampling) else list(sampling)
     if len(rows) != b:
@@ -81,7 +83,8 @@ def sample(
         return greedy
     if keys is None or len(keys) != b:
         raise ValueError(f"sample: sampling needs one key per row ({b}), got {None if keys is None else len(keys)}")
-    probs, order = _filtered_probs(logits, rows, invariant=invariant)
+    softmax = softmax or (nn_invariant.softmax if invariant else torch.softmax)
+    probs, order = _filtered_probs(logits, rows, softmax)
     # one batched draw (vmap over the row keys: bit-equal to drawing each row's noise alone)
     row_keys = keys if isinstance(keys, torch.Tensor) else torch.stack(list(keys))
     noise = torch.func.vmap(lambda k: random.exponential(k, (logits.shape[-1],), device=logits.device))(row_keys)
