@@ -144,6 +144,7 @@ class RLConfig:
     max_offpolicy_steps: int = 0  # 0: synchronous, on-policy; k >= 1: a generator thread samples ahead, rollouts up to k steps stale are trained on
     worker: str = "thread"  # where the async generator runs: "thread" (in this process) or "process" (a spawned one with its own copy of the policy and, under --rl.generator vllm, its own engine: a cluster's layout)
     generator: str = "native"  # "native" (ftitan.infer.generate) or "vllm" (the in-process vLLM engine)
+    compile_generator: str = ""  # the native generator's decode steps under torch.compile: "inductor", or a backend name such as "aot_eager" ("": eager)
     batch_invariant: bool = False  # the model in batch-invariant mode: the generator's log-probs equal the trainer's bit for bit
     eval_prompts: int = 100  # held-out prompts answered greedily at each evaluation (eval.reward)
     kl_bound: float = 0.0  # the recipe's promise: the KL to the reference stays below this (0: none); a run above it warns

@@ -328,6 +328,12 @@ def _check_rl(cfg: TrainConfig) -> None:
     if rl.generator not in ("native", "vllm"):
         raise _fail("--rl.generator", rl.generator, "expected 'native' (ftitan.infer.generate) or 'vllm' (the "
                     "in-process vLLM engine)")  # fmt: skip
+    if rl.compile_generator not in ("", "inductor", "aot_eager", "eager"):
+        raise _fail("--rl.compile-generator", rl.compile_generator, "expected 'inductor', 'aot_eager', 'eager' (a "
+                    "torch.compile backend for the decode steps) or '' (eager generation)")  # fmt: skip
+    if rl.compile_generator and rl.generator != "native":
+        raise _fail("--rl.compile-generator", rl.compile_generator, "compiles ftitan.infer.generate's decode steps; "
+                    "vLLM compiles its own: drop it with --rl.generator vllm")  # fmt: skip
     if rl.worker not in ("thread", "process"):
         raise _fail("--rl.worker", rl.worker, "expected 'thread' (the async generator in this process) or 'process' "
                     "(a separate one)")  # fmt: skip

@@ -112,7 +112,8 @@ def _warm_start(cfg: TrainConfig, run: Path, device: torch.device, *, progress: 
 
 def _load_policy(cfg: TrainConfig, src: Path, device: torch.device) -> Policy:
     """The policy in run directory ``src``'s newest checkpoint, its model in ``rl.batch_invariant`` mode
-    when asked (the trainer's and a generator process's: the same)."""
+    when asked, its generator compiled under ``rl.compile_generator`` (the trainer's and a generator
+    process's: the same)."""
     saved, model, params, tok, _ = load_run(src, device=device)
     if saved.model != cfg.model:
         raise ValueError(f"--rl.init-run {src}: its model differs from this run's --model.* (e.g. n_layers "
@@ -130,6 +131,9 @@ def _load_policy(cfg: TrainConfig, src: Path, device: torch.device) -> Policy:
         model = registry.model_for(batch_invariant(model.config))
     policy = Policy(model, params, tok, load_chat_template(src))
     policy.source = src
+    if cfg.rl.compile_generator:  # decode steps compiled once per batch size and slot bucket, then reused
+        backend = cfg.rl.compile_generator
+        policy.generate_fn = functools.partial(generate, compile=True if backend == "inductor" else backend)
     return policy
 
 

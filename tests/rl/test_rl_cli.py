@@ -4,6 +4,7 @@ in synchronous mode, async mode's accounting of every rollout across a resume, a
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 from pathlib import Path
@@ -102,6 +103,8 @@ def test_async_loses_and_reuses_no_rollout_across_a_resume_thread_then_process(t
     (["rl", "--rl.env", "nope"], "--rl.env='nope': no such environment"),
     (["rl", "--rl.sft-steps", "0"], "RL starts from a policy"),
     (["rl", "--rl.init-run", "/nonexistent"], "no run directory with checkpoints there"),
+    (["rl", "--rl.compile-generator", "tvm"], "--rl.compile-generator='tvm': expected 'inductor'"),
+    (["rl", "--rl.compile-generator", "inductor", "--rl.generator", "vllm"], "vLLM compiles its own"),
 ])  # fmt: skip
 def test_bad_rl_input_is_one_line(argv, needle, capsys):
     assert main(argv) != 0
@@ -116,3 +119,14 @@ def test_batch_invariant_runs_have_no_generator_trainer_mismatch(tmp_path, smoke
     assert [r["mismatch_kl"] for r in steps] == [0.0, 0.0]  # the generator's log-probs are the trainer's, bit for bit
     default = [r["mismatch_kl"] for r in records(smoke) if "mismatch_kl" in r]
     assert any(m != 0.0 for m in default)  # without the mode they differ in the last bits
+
+
+def test_a_compiled_generator_keeps_the_trainers_bits(tmp_path, smoke):
+    """--rl.compile-generator: the decode steps compiled (aot_eager here: a fast compile), the same bits."""
+    generate_module = importlib.import_module("ftitan.infer.generate")  # (ftitan.infer.generate: the function)
+    before = set(generate_module._STEPS)
+    out = rl_train(cfg_for(tmp_path / "c", smoke, "--steps", "2", "--rl.batch-invariant", "True",
+                           "--rl.compile-generator", "aot_eager", "--rl.eval-prompts", "0"), progress=False)  # fmt: skip
+    made = {key for key in set(generate_module._STEPS) - before if key[1] == "aot_eager"}
+    assert made and all(generate_module._STEPS[key][0] is out["model"].apply for key in made)
+    assert [r["mismatch_kl"] for r in out["records"] if "loss" in r] == [0.0, 0.0]
