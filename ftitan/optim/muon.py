@@ -17,6 +17,7 @@ orthogonalized in a single batched Newton-Schulz call.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -29,10 +30,27 @@ from ftitan.optim.schedules import Schedule
 from ftitan.optim.transform import Params, Transform, Updates, accumulator_dtype, chain, state_device
 from ftitan.optim.weight_decay import add_decayed_weights
 
-__all__ = ["MuonState", "NesterovStyle", "ShapeScaling", "muon", "muon_shape_scale", "scale_by_muon"]
+__all__ = [
+    "Blocks",
+    "MuonState",
+    "NesterovStyle",
+    "ShapeScaling",
+    "as_matrices",
+    "block_of",
+    "check_arguments",
+    "from_matrices",
+    "muon",
+    "muon_shape_scale",
+    "newton_schulz_input",
+    "orthogonalize",
+    "scale_by_muon",
+]
 
 ShapeScaling = Literal["original", "match_rms_adamw"]
 NesterovStyle = Literal["torch", "optax"]
+# glob of leaf paths -> (dim, block_size): those leaves are orthogonalized per block of block_size rows
+# (dim -2) or columns (dim -1) of each matrix, e.g. one attention head's rows of a q projection
+Blocks = Mapping[str, tuple[int, int]]
 
 
 class MuonState(NamedTuple):
@@ -40,7 +58,7 @@ class MuonState(NamedTuple):
     count: torch.Tensor | None = None  # () int64 updates so far; only with nesterov_style="optax"
 
 
-def _newton_schulz_input(
+def newton_schulz_input(
     g: torch.Tensor,
     buf: torch.Tensor,
     momentum: float,
@@ -80,6 +98,75 @@ def muon_shape_scale(rows: int, cols: int, shape_scaling: ShapeScaling = "origin
     raise ValueError(f"shape_scaling={shape_scaling!r}: expected 'original' or 'match_rms_adamw'")
 
 
+def block_of(path: str, blocks: Blocks | None) -> tuple[int, int] | None:
+    """The ``(dim, block_size)`` of the first pattern of ``blocks`` that matches ``path``, or None."""
+    return next((b for pattern, b in (blocks or {}).items() if tree.match(path, pattern)), None)
+
+
+def _block_dim(shape: Sequence[int], block: tuple[int, int], path: str) -> int:
+    dim, size = block
+    d = dim % len(shape)
+    if d < len(shape) - 2 or size < 1 or shape[d] % size:
+        raise ValueError(f"{path}: blocks {block} must split one of the two matrix dims of shape {tuple(shape)} "
+                         f"(dim -2 or -1) into whole blocks")  # fmt: skip
+    return d
+
+
+def as_matrices(x: torch.Tensor, block: tuple[int, int] | None = None, path: str = "<leaf>") -> torch.Tensor:
+    """``x`` (..., m, n) as the batch of matrices Muon orthogonalizes: (-1, m, n), or with ``block = (dim,
+    size)`` each matrix cut into blocks of ``size`` rows (dim -2: (-1, size, n)) or columns (dim -1: (-1, m,
+    size)), block by block."""
+    m, n = x.shape[-2], x.shape[-1]
+    if block is None:
+        return x.reshape(-1, m, n)
+    size = block[1]
+    if _block_dim(x.shape, block, path) == x.ndim - 2:
+        return x.reshape(-1, size, n)
+    return x.reshape(-1, m, n // size, size).permute(0, 2, 1, 3).reshape(-1, m, size)
+
+
+def from_matrices(y: torch.Tensor, shape: Sequence[int], block: tuple[int, int] | None = None) -> torch.Tensor:
+    """:func:`as_matrices`' inverse: the batch back in a tensor of ``shape``."""
+    if block is None or _block_dim(shape, block, "<leaf>") == len(shape) - 2:
+        return y.reshape(shape)
+    m, n = shape[-2], shape[-1]
+    return y.reshape(-1, n // block[1], m, block[1]).permute(0, 2, 1, 3).reshape(shape)
+
+
+def orthogonalize(
+    mats: Sequence[torch.Tensor],  # each (batch, m, n)
+    *,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[torch.Tensor]:
+    """Newton-Schulz of every matrix of ``mats``, those of one shape (across entries) in one batched call;
+    each result in ``dtype`` and its entry's shape. Empty entries (no matrices) come back empty."""
+    groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
+    for i, x in enumerate(mats):
+        if x.shape[0]:
+            groups.setdefault((x.shape[-2], x.shape[-1], x.dtype), []).append(i)
+    out = [x.to(dtype) for x in mats]  # the empty ones stay so
+    for idx in groups.values():
+        stacked = [mats[i] for i in idx]
+        ortho = newton_schulz(torch.cat(stacked) if len(stacked) > 1 else stacked[0], steps=steps,
+                              coefficients=coefficients, eps=eps, dtype=dtype)  # fmt: skip
+        pieces = torch.split(ortho, [s.shape[0] for s in stacked]) if len(stacked) > 1 else (ortho,)
+        for i, piece in zip(idx, pieces, strict=True):
+            out[i] = piece
+    return out
+
+
+def check_arguments(momentum: float, nesterov_style: str, shape_scaling: str) -> None:
+    """Refuse bad Muon hyperparameters when the transform is built, not at its first step."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"momentum={momentum!r}: expected a float in [0, 1)")
+    if nesterov_style not in ("torch", "optax"):
+        raise ValueError(f"nesterov_style={nesterov_style!r}: expected 'torch' (torch.optim.Muon) or 'optax'")
+    muon_shape_scale(1, 1, shape_scaling)  # type: ignore[arg-type]
+
+
 def scale_by_muon(
     momentum: float = 0.95,
     nesterov: bool = True,
@@ -90,6 +177,7 @@ def scale_by_muon(
     coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
     eps: float = 1e-7,
     nesterov_style: NesterovStyle = "torch",
+    blocks: Blocks | None = None,
 ) -> Transform:
     """Momentum then orthogonalization, scaled by :func:`muon_shape_scale`, as the update.
 
@@ -101,13 +189,11 @@ def scale_by_muon(
     momentum convention: ``"torch"`` (default; torch.optim.Muon's
     uncorrected ``lerp(g, B, mu)``) or ``"optax"`` (optax.contrib.muon's
     bias-corrected mix; the state then also counts steps), see
-    ``_newton_schulz_input``.
+    ``newton_schulz_input``. ``blocks`` (glob -> ``(dim, size)``) orthogonalizes the matching leaves
+    per block of ``size`` rows (dim -2) or columns (dim -1), each block scaled by its own shape: per-head
+    Muon on attention projections (3-D expert stacks are per expert already).
     """
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-        raise ValueError(f"momentum={momentum!r}: expected a float in [0, 1)")
-    if nesterov_style not in ("torch", "optax"):
-        raise ValueError(f"nesterov_style={nesterov_style!r}: expected 'torch' (torch.optim.Muon) or 'optax'")
-    muon_shape_scale(1, 1, shape_scaling)  # validates shape_scaling now, not at the first step
+    check_arguments(momentum, nesterov_style, shape_scaling)
 
     def init(params: Params) -> MuonState:
         def zeros(path: str, p: torch.Tensor) -> torch.Tensor:
@@ -135,27 +221,17 @@ def scale_by_muon(
             g32 = g.to(buf.dtype)
             buf = torch.lerp(buf, g32, 1.0 - momentum)
             new_bufs.append(buf)
-            inputs.append(_newton_schulz_input(g32, buf, momentum, nesterov, nesterov_style, count))
+            inputs.append(newton_schulz_input(g32, buf, momentum, nesterov, nesterov_style, count))
 
-        # group leaves by matrix shape (static), orthogonalize each group in one call
-        groups: dict[tuple[int, int, torch.dtype], list[int]] = {}
-        for i, x in enumerate(inputs):
-            groups.setdefault((x.shape[-2], x.shape[-1], x.dtype), []).append(i)
-        outputs: list[torch.Tensor | None] = [None] * len(inputs)
-        for (m, n, _), idx in groups.items():
-            stacked = [inputs[i].reshape(-1, m, n) for i in idx]
-            ortho = newton_schulz(
-                torch.cat(stacked) if len(stacked) > 1 else stacked[0],
-                steps=ns_steps,
-                coefficients=coefficients,
-                eps=eps,
-                dtype=ns_dtype,
-            )
-            pieces = torch.split(ortho, [s.shape[0] for s in stacked]) if len(stacked) > 1 else (ortho,)
-            factor = muon_shape_scale(m, n, shape_scaling)
-            for i, piece in zip(idx, pieces, strict=True):
-                # cast before scaling: scaling in bf16 would round a second time
-                outputs[i] = piece.reshape(gs[i].shape).to(gs[i].dtype) * factor
+        # matrices (or blocks) of one shape, across leaves, orthogonalized in one call
+        kinds = [block_of(path, blocks) for path in paths]
+        mats = [as_matrices(x, b, path) for path, x, b in zip(paths, inputs, kinds, strict=True)]
+        ortho = orthogonalize(mats, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
+        outputs = []
+        for o, g, b in zip(ortho, gs, kinds, strict=True):
+            # cast before scaling: scaling in bf16 would round a second time
+            outputs.append(from_matrices(o.to(g.dtype) * muon_shape_scale(o.shape[-2], o.shape[-1], shape_scaling),
+                                         g.shape, b))  # fmt: skip
         new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum), new_bufs), count=count)
         return tree.unflatten(treedef, outputs), new_state
 
@@ -174,6 +250,7 @@ def muon(
     coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
     eps: float = 1e-7,
     nesterov_style: NesterovStyle = "torch",
+    blocks: Blocks | None = None,
 ) -> Transform:
     """Muon with decoupled weight decay, torch.optim.Muon's semantics (Jordan 2024; Liu 2025).
 
@@ -191,6 +268,7 @@ def muon(
             coefficients=coefficients,
             eps=eps,
             nesterov_style=nesterov_style,
+            blocks=blocks,
         ),
         add_decayed_weights(weight_decay),
         scale_by_learning_rate(lr),

@@ -9,6 +9,7 @@ weight decay.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from ftitan import tree
 from ftitan.optim.adam import adamw
 from ftitan.optim.multi_transform import Labels, multi_transform, resolve_labels
-from ftitan.optim.muon import NesterovStyle, ShapeScaling, muon
+from ftitan.optim.muon import Blocks, NesterovStyle, ShapeScaling, muon
 from ftitan.optim.schedules import Schedule
 from ftitan.optim.transform import Params, Transform
 
@@ -79,6 +80,8 @@ def muon_with_adamw(
     labels: Labels = muon_label,
     ns_eps: float = 1e-7,
     nesterov_style: NesterovStyle = "torch",
+    blocks: Blocks | None = None,
+    muon_impl: Callable[..., Transform] = muon,
 ) -> Transform:
     """Muon on hidden matrices, AdamW on embeddings, head, norms and biases.
 
@@ -88,7 +91,9 @@ def muon_with_adamw(
     (Moonlight); with ``"original"`` Muon lrs are ~10-100x AdamW's, so pass
     ``adamw_lr``. AdamW betas default to (0.9, 0.95) as in Moonlight; ``eps``
     is AdamW's, ``ns_eps`` Newton-Schulz's norm clamp, and
-    ``nesterov_style`` Muon's momentum convention (see :func:`scale_by_muon`).
+    ``nesterov_style`` Muon's momentum convention and ``blocks`` its per-block matrices (per head; see
+    :func:`scale_by_muon`); ``muon_impl`` builds the Muon part (``ftitan.flexshard.muon_with_adamw``
+    passes the distributed one).
     Given ``params`` (or ``None``), the labels are resolved and checked now,
     so a bad labelling fails at construction rather than in the first step.
     """
@@ -98,7 +103,7 @@ def muon_with_adamw(
                 raise ValueError(f"{path}: label {label!r}; muon_with_adamw labels must be 'muon' or 'adamw'")
     return multi_transform(
         {
-            "muon": muon(
+            "muon": muon_impl(
                 lr,
                 weight_decay=weight_decay,
                 momentum=momentum,
@@ -108,6 +113,7 @@ def muon_with_adamw(
                 shape_scaling=shape_scaling,
                 eps=ns_eps,
                 nesterov_style=nesterov_style,
+                blocks=blocks,
             ),
             "adamw": adamw(
                 lr if adamw_lr is None else adamw_lr,

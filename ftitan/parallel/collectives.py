@@ -40,6 +40,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "count_bytes",
+    "count_calls",
     "grad_all_reduce",
     "psum",
     "reduce_scatter",
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _COUNTS: Counter[str] | None = None
+_CALLS: Counter[str] | None = None
 
 
 @contextlib.contextmanager
@@ -61,10 +63,26 @@ def count_bytes() -> Iterator[Counter[str]]:
         _COUNTS = previous
 
 
+@contextlib.contextmanager
+def count_calls() -> Iterator[Counter[str]]:
+    """Count the collectives this rank calls in the block, by name (eager only)."""
+    global _CALLS
+    previous, _CALLS = _CALLS, Counter()
+    try:
+        yield _CALLS
+    finally:
+        _CALLS = previous
+
+
 def record(name: str, nbytes: float) -> None:
-    """Add ``nbytes`` under ``name`` to the open :func:`count_bytes` block, if any."""
-    if _COUNTS is not None and not torch.compiler.is_compiling():
+    """Add ``nbytes`` under ``name`` to the open :func:`count_bytes` block and one call to the open
+    :func:`count_calls` block, if any."""
+    if torch.compiler.is_compiling():
+        return
+    if _COUNTS is not None:
         _COUNTS[name] += int(nbytes)
+    if _CALLS is not None:
+        _CALLS[name] += 1
 
 
 def _nbytes(x: torch.Tensor) -> int:

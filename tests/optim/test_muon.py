@@ -196,3 +196,25 @@ def test_muon_with_adamw_passes_ns_eps_and_nesterov_style():
     assert outs[1.0] < outs[1e-7] / 20
     opt = fo.muon_with_adamw(params, lr=0.1, nesterov_style="optax")
     assert int(opt.update(grads, opt.init(params), params)[1].inner_states["muon"][0].count) == 1
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_blocks_orthogonalize_each_block_as_its_own_matrix(dim):
+    """``blocks``: per-head Muon. Each 16-row (dim 0) or 16-column (dim 1) block of ``w`` updated as if it
+    were its own leaf under plain Muon; other leaves and 3-D stacks (per matrix already) unchanged."""
+    g = torch.Generator().manual_seed(3)
+    params = {"w": torch.randn(48, 64, generator=g, dtype=torch.float64),
+              "x": torch.randn(2, 32, 16, generator=g, dtype=torch.float64)}  # fmt: skip
+    grads = [tree.map(lambda p: torch.randn(p.shape, generator=g, dtype=p.dtype), params) for _ in range(3)]
+    kw = dict(weight_decay=0.1, ns_dtype=torch.float64)
+    blocked, _ = run(fo.muon(0.02, blocks={"w": (dim, 16)}, **kw), params, grads)
+
+    def cut(t):  # w as separate block leaves
+        return {f"w{i}": b for i, b in enumerate(t["w"].split(16, dim=dim))} | {"x": t["x"]}
+
+    alone, _ = run(fo.muon(0.02, **kw), cut(params), [cut(gr) for gr in grads])
+    torch.testing.assert_close(blocked["w"], torch.cat([alone[f"w{i}"] for i in range(len(alone) - 1)], dim=dim),
+                               rtol=0, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(blocked["x"], alone["x"], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="into whole blocks"):
+        run(fo.muon(0.02, blocks={"w": (dim, 7)}, **kw), params, grads)

@@ -1,0 +1,434 @@
+"""FlexShard plans: which rank stores which part of each leaf, and the packed collectives between them.
+
+A :class:`Plan` is static data computed once from the params' shapes, the buckets and the world size;
+the sharded state is a plain tree of local tensors (this rank's part of each leaf), so optimizers map
+over it as over any params tree. Gathering a bucket packs this rank's parts of its leaves into one flat
+buffer, all-gathers it (one collective), and cuts the full leaves out of the ranks' buffers; its
+gradient is the adjoint: one reduce-scatter of the packed gradients (``ftitan.parallel.collectives``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ftitan import tree
+from ftitan.parallel import collectives as C
+
+__all__ = [
+    "BlockShard",
+    "Bucket",
+    "LeafPlan",
+    "Owned",
+    "Placement",
+    "Plan",
+    "Replicate",
+    "Shard",
+    "newton_schulz_cost",
+    "per_layer",
+    "per_leaf",
+    "plan",
+]
+
+
+@attrs.frozen
+class Shard:
+    """Rows along ``dim`` split over the ranks, as evenly as they go (the first ``n % world`` ranks get one
+    more: ragged, never padded in the state)."""
+
+    dim: int = 0
+
+
+@attrs.frozen
+class BlockShard:
+    """Whole ``block_size``-row blocks along ``dim`` per rank (e.g. one attention head's rows of a
+    projection, one expert of an expert stack), the blocks split over the ranks as evenly as they go."""
+
+    dim: int
+    block_size: int
+
+    def __attrs_post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"BlockShard(block_size={self.block_size}): must be >= 1")
+
+
+@attrs.frozen
+class Owned:
+    """The whole tensor on one rank (its owner), e.g. for a matrix optimizer's compute; owners are chosen
+    by :func:`plan` to balance :func:`newton_schulz_cost`."""
+
+
+@attrs.frozen
+class Replicate:
+    """The whole tensor on every rank (its gradient all-reduced)."""
+
+
+Placement = Shard | BlockShard | Owned | Replicate
+
+
+def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+@attrs.frozen
+class Bucket:
+    """Leaves whose dotted paths match one of ``patterns`` (globs, ``ftitan.tree.match``), stored with
+    ``placement`` and gathered together: one packed collective per bucket. ``gather_dtype``: what the parts
+    are cast to before the all-gather (e.g. ``torch.bfloat16``: half the bytes of float32); the gradients
+    come back in the state's dtype. A leaf belongs to the first bucket that matches it."""
+
+    patterns: tuple[str, ...] = attrs.field(converter=_patterns)
+    placement: Placement = Shard(0)
+    gather_dtype: torch.dtype | None = None
+    name: str = ""  # default: the first pattern
+
+    @property
+    def label(self) -> str:
+        return self.name or self.patterns[0]
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> int:
+    """Flops-proportional cost of orthogonalizing a tensor of ``shape`` (a batch of ``(m, n)`` matrices over
+    its last two dims): ``batch * m * n * min(m, n)``; vectors count their length."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    m, n = shape[-2], shape[-1]
+    return math.prod(shape[:-2]) * m * n * min(m, n)
+
+
+def _even(n: int, world: int) -> list[tuple[int, int]]:
+    """``[(lo, hi)]`` per rank: ``n`` items split as evenly as they go, the first ranks one more."""
+    base, extra = divmod(n, world)
+    out, lo = [], 0
+    for r in range(world):
+        hi = lo + base + (r < extra)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+@attrs.frozen
+class LeafPlan:
+    """One leaf: its full shape, placement, bucket, and each rank's rows ``(lo, hi)`` along ``dim``
+    (Owned: the owner's are all rows, the others' none; Replicate: all rows on every rank)."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placement: Placement
+    bucket: str
+    dim: int
+    rows: tuple[tuple[int, int], ...]  # per rank
+    owner: int | None = None  # Owned only
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        if not self.shape:
+            return self.shape
+        lo, hi = self.rows[rank]
+        return (*self.shape[: self.dim], hi - lo, *self.shape[self.dim + 1 :])
+
+    def numel(self, rank: int) -> int:
+        return math.prod(self.local_shape(rank))
+
+    @property
+    def packed(self) -> bool:
+        """Whether the leaf travels in its bucket's collective (Replicate leaves do not)."""
+        return not isinstance(self.placement, Replicate)
+
+
+def _leaf_plan(path: str, x: Any, bucket: Bucket, world: int) -> LeafPlan:
+    shape, dtype = tuple(x.shape), x.dtype
+    p = bucket.placement
+    if isinstance(p, Replicate) or not shape:
+        return LeafPlan(path, shape, dtype, p if shape else Replicate(), bucket.label, 0, ((0, shape[0] if shape else 0),) * world)
+    if isinstance(p, Owned):  # the owner is set by plan(), once every Owned leaf is known
+        return LeafPlan(path, shape, dtype, p, bucket.label, 0, ((0, 0),) * world)
+    dim = p.dim % len(shape)
+    if isinstance(p, BlockShard):
+        if shape[dim] % p.block_size:
+            raise ValueError(f"flexshard: {path} has {shape[dim]} rows along dim {dim}, not whole blocks of "
+                             f"BlockShard(block_size={p.block_size}); use a block size that divides {shape[dim]}, "
+                             f"or Shard({dim})")  # fmt: skip
+        blocks = _even(shape[dim] // p.block_size, world)
+        rows = tuple((lo * p.block_size, hi * p.block_size) for lo, hi in blocks)
+    else:
+        rows = tuple(_even(shape[dim], world))
+    return LeafPlan(path, shape, dtype, p, bucket.label, dim, rows)
+
+
+def _owners(leaves: list[LeafPlan], world: int) -> dict[str, int]:
+    """Owned leaves to ranks, the largest :func:`newton_schulz_cost` first, each to the least loaded rank
+    (ties: the lowest rank; equal costs in path order): deterministic, balanced."""
+    load = [0] * world
+    out = {}
+    for leaf in sorted(leaves, key=lambda lp: (-newton_schulz_cost(lp.shape), lp.path)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[leaf.path] = r
+        load[r] += newton_schulz_cost(leaf.shape)
+    return out
+
+
+class Plan:
+    """Where each leaf lives, and the packed gather / reduce of each bucket (see the module docstring).
+
+    ``world`` / ``rank``: the data-parallel group's size and this rank's index in it (from ``mesh``, a 1-D
+    ``DeviceMesh``; without one, a plan for any ``rank`` of ``world`` can be made to compute layouts, but
+    its collectives need the mesh)."""
+
+    def __init__(self, leaves: list[LeafPlan], treedef: Any, buckets: list[Bucket], mesh: DeviceMesh | None,
+                 world: int, rank: int) -> None:  # fmt: skip
+        self.leaves = {lp.path: lp for lp in leaves}
+        self.treedef = treedef
+        self.buckets = {b.label: b for b in buckets if any(lp.bucket == b.label for lp in leaves)}
+        self.mesh, self.world, self.rank = mesh, world, rank
+        self.members = {name: [lp for lp in leaves if lp.bucket == name] for name in self.buckets}
+        # per bucket: each packed leaf's offset in a rank's flat buffer, and the buffer's padded length
+        self.offsets: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.padded: dict[str, int] = {}
+        for name, members in self.members.items():
+            ends = [0] * world
+            offs: dict[str, tuple[int, ...]] = {}
+            for lp in members:
+                if lp.packed:
+                    offs[lp.path] = tuple(ends)
+                    ends = [e + lp.numel(r) for r, e in enumerate(ends)]
+            self.offsets[name] = offs
+            self.padded[name] = max(ends)
+
+    # ------------------------------------------------------------------------------------------ state
+
+    def shard(self, params: tree.Tree) -> tree.Tree:
+        """This rank's part of every leaf of the full ``params`` (the same on every rank): no communication."""
+        paths, xs, _ = tree.flatten_with_paths(params)
+
+        def part(path: str, x: torch.Tensor) -> torch.Tensor:
+            lp = self.leaves[path]
+            if not lp.shape or isinstance(lp.placement, Replicate):
+                return x.clone()
+            lo, hi = lp.rows[self.rank]
+            return x.narrow(lp.dim, lo, hi - lo).contiguous()
+
+        return tree.unflatten(self.treedef, [part(p, x) for p, x in zip(paths, xs, strict=True)])
+
+    def local_shapes(self, rank: int | None = None) -> tree.Tree:
+        """The shapes of a rank's parts (default: this rank's), as a tree of tuples."""
+        r = self.rank if rank is None else rank
+        return tree.unflatten(self.treedef, [lp.local_shape(r) for lp in self.leaves.values()])
+
+    def owner(self, path: str) -> int | None:
+        return self.leaves[path].owner
+
+    # ------------------------------------------------------------------------------------ collectives
+
+    def pack(self, local: Mapping[str, torch.Tensor], bucket: str) -> torch.Tensor:
+        """This rank's parts of ``bucket``'s leaves (``{path: part}``, or the whole local tree) as one flat
+        buffer of the bucket's padded length, in its gather dtype (differentiable)."""
+        flat = self._flat(local)
+        b = self.buckets[bucket]
+        pieces = []
+        for lp in self.members[bucket]:
+            if lp.packed:
+                x = flat[lp.path]
+                pieces.append(x.reshape(-1).to(b.gather_dtype or x.dtype))
+        dtype = b.gather_dtype or (pieces[0].dtype if pieces else torch.float32)
+        used = sum(p.numel() for p in pieces)
+        if used < self.padded[bucket] or not pieces:
+            device = pieces[0].device if pieces else None
+            pieces.append(torch.zeros(self.padded[bucket] - used, dtype=dtype, device=device))
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def unpack(self, gathered: torch.Tensor, bucket: str) -> dict[str, torch.Tensor]:
+        """The full packed leaves of ``bucket`` cut from every rank's buffer, concatenated (``(world *
+        padded,)``, rank by rank: an all-gather's result)."""
+        n = self.padded[bucket]
+        out = {}
+        for lp in self.members[bucket]:
+            if not lp.packed:
+                continue
+            offs = self.offsets[bucket][lp.path]
+            parts = [gathered[r * n + offs[r] : r * n + offs[r] + lp.numel(r)].view(lp.local_shape(r))
+                     for r in range(self.world) if lp.numel(r)]  # fmt: skip
+            out[lp.path] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=lp.dim)
+        return out
+
+    def gather(self, local: tree.Tree, bucket: str) -> dict[str, torch.Tensor]:
+        """``{path: full tensor}`` of ``bucket``'s leaves from every rank's parts: one all-gather of the packed
+        buffer (Replicate leaves: this rank's own, cast). Differentiable: the gradient of the parts is one
+        reduce-scatter of the packed gradients (summed over the ranks)."""
+        flat = self._flat(local)
+        b = self.buckets[bucket]
+        out = {}
+        if self.padded[bucket]:
+            buf = self.pack(flat, bucket)
+            out = self.unpack(buf if self.world == 1 else C.all_gather(buf, self._group()), bucket)
+        whole = [lp for lp in self.members[bucket] if not lp.packed]
+        if whole:  # every rank holds them: the identity, whose gradient is one all-reduce of them all, packed
+            xs = [flat[lp.path].to(b.gather_dtype or flat[lp.path].dtype) for lp in whole]
+            out.update(zip((lp.path for lp in whole), _unflat(C.grad_all_reduce(_cat(xs), self._group()), xs), strict=True))
+        return {lp.path: out[lp.path] for lp in self.members[bucket]}
+
+    def gather_all(self, local: tree.Tree) -> tree.Tree:
+        """Every bucket gathered: the full params tree (differentiable, like :meth:`gather`)."""
+        full: dict[str, torch.Tensor] = {}
+        for name in self.buckets:
+            full.update(self.gather(local, name))
+        return tree.unflatten(self.treedef, [full[p] for p in self.leaves])
+
+    def reduce_grads(self, grads: tree.Tree, *, dtype: torch.dtype | None = None) -> tree.Tree:
+        """Full-size gradients of every rank (each rank's own, e.g. of its batch rows) to this rank's parts
+        of their sum: one reduce-scatter per bucket (Replicate leaves: an all-reduce), in ``dtype``
+        (default: the gradients'), returned in the state's dtypes."""
+        flat = self._flat(grads)
+        out: dict[str, torch.Tensor] = {}
+        for name, members in self.members.items():
+            if self.padded[name]:
+                buf = self.pack_full(flat, name, dtype=dtype)
+                mine = buf if self.world == 1 else C.reduce_scatter(buf, self._group())
+                parts = self.unpack_local(mine, name)
+                out.update({p: parts[p].to(self.leaves[p].dtype) for p in parts})
+            whole = [lp for lp in members if not lp.packed]
+            if whole:  # one all-reduce of them all, packed
+                gs = [flat[lp.path].to(dtype or flat[lp.path].dtype) for lp in whole]
+                summed = _unflat(C.all_reduce(_cat(gs), self._group()), gs)
+                out.update({lp.path: g.to(lp.dtype) for lp, g in zip(whole, summed, strict=True)})
+        return tree.unflatten(self.treedef, [out[p] for p in self.leaves])
+
+    def pack_full(self, full: Any, bucket: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Full-size tensors of ``bucket``'s packed leaves cut into every rank's parts and packed rank by rank
+        (``(world * padded,)``, what a reduce-scatter splits: :meth:`unpack`'s inverse), in ``dtype``."""
+        flat = self._flat(full)
+        if not self.offsets[bucket]:  # no packed leaves (a Replicate bucket): nothing to scatter
+            return torch.zeros(0)
+        per_rank = []
+        for r in range(self.world):
+            pieces = []
+            for lp in self.members[bucket]:
+                if lp.packed:
+                    g = flat[lp.path]
+                    lo, hi = lp.rows[r]
+                    pieces.append(g.to(dtype or g.dtype).narrow(lp.dim, lo, hi - lo).reshape(-1))
+            used = sum(p.numel() for p in pieces)
+            pieces.append(pieces[0].new_zeros(self.padded[bucket] - used))
+            per_rank.append(torch.cat(pieces))
+        return torch.cat(per_rank)
+
+    def gather_leaf(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """One leaf's full tensor from every rank's part ``x`` (this rank's): one all-gather of the parts, each
+        padded to the largest (not differentiable; e.g. an optimizer's whole-matrix input)."""
+        lp = self.leaves[path]
+        if not lp.packed or self.world == 1:
+            return x
+        n = max(lp.numel(r) for r in range(self.world))
+        flat = x.reshape(-1)
+        if flat.numel() < n:
+            flat = torch.cat([flat, flat.new_zeros(n - flat.numel())])
+        with torch.no_grad():
+            every = C.all_gather(flat, self._group())
+        parts = [every[r * n : r * n + lp.numel(r)].view(lp.local_shape(r)) for r in range(self.world) if lp.numel(r)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=lp.dim)
+
+    def unpack_local(self, buf: torch.Tensor, bucket: str) -> dict[str, torch.Tensor]:
+        """This rank's parts of ``bucket``'s packed leaves from its own flat buffer."""
+        offs = self.offsets[bucket]
+        return {lp.path: buf[offs[lp.path][self.rank] : offs[lp.path][self.rank] + lp.numel(self.rank)].view(
+                    lp.local_shape(self.rank)) for lp in self.members[bucket] if lp.packed}  # fmt: skip
+
+    def unshard(self, local: tree.Tree) -> tree.Tree:
+        """The full params on every rank (e.g. to compare with a single-process run, or to save)."""
+        with torch.no_grad():
+            return self.gather_all(local)
+
+    def _flat(self, x: Any) -> Mapping[str, torch.Tensor]:
+        """``{path: leaf}`` of a tree shaped like the params, or of such a mapping already."""
+        if isinstance(x, Mapping) and x and set(x) <= set(self.leaves) and all(
+                isinstance(v, torch.Tensor) for v in x.values()):  # fmt: skip
+            return x
+        return dict(zip(*tree.flatten_with_paths(x)[:2], strict=True))
+
+    def _group(self) -> DeviceMesh | None:
+        if self.world > 1 and self.mesh is None:
+            raise ValueError(f"flexshard: this plan was made for rank {self.rank} of {self.world} without a mesh; "
+                             f"its collectives need one: flexshard.plan(params, buckets, mesh)")  # fmt: skip
+        return self.mesh if self.world > 1 else None
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{name}: {len(m)} leaves, {self.padded[name]} per rank" for name, m in self.members.items())
+        return f"Plan(world={self.world}, rank={self.rank}; {parts})"
+
+
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:  # flattened, one buffer (one dtype)
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def _unflat(buf: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:  # _cat's inverse
+    return [piece.view(x.shape) for piece, x in zip(buf.split([x.numel() for x in like]), like, strict=True)]
+
+
+def plan(
+    params: tree.Tree,
+    buckets: Sequence[Bucket],
+    mesh: DeviceMesh | None = None,
+    *,
+    world: int | None = None,
+    rank: int | None = None,
+) -> Plan:
+    """The :class:`Plan` of ``params`` (tensors, or anything with ``.shape`` and ``.dtype``: meta tensors)
+    under ``buckets`` over the 1-D ``mesh`` (the data-parallel group; ``None``: one rank, or pass ``world``
+    and ``rank`` to compute another rank's layout without communicating). Every leaf must match a bucket."""
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(f"flexshard.plan: the mesh must be 1-D (the data-parallel group), got {mesh.ndim}-D")
+        world, rank = mesh.size(), mesh.get_local_rank()
+    world = 1 if world is None else world
+    rank = 0 if rank is None else rank
+    if not 0 <= rank < world:
+        raise ValueError(f"flexshard.plan: rank {rank} is not in a world of {world}")
+    if not buckets:
+        raise ValueError("flexshard.plan: no buckets; pass e.g. flexshard.per_layer(params)")
+    labels = [b.label for b in buckets]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"flexshard.plan: bucket names repeat ({labels}); give each Bucket a name=")
+    paths, xs, treedef = tree.flatten_with_paths(params)
+    leaves = []
+    for path, x in zip(paths, xs, strict=True):
+        b = next((b for b in buckets if any(tree.match(path, pat) for pat in b.patterns)), None)
+        if b is None:
+            raise ValueError(f"flexshard.plan: {path} matches no bucket's patterns; add a catch-all bucket, e.g. "
+                             f"Bucket('**', Shard(0))")  # fmt: skip
+        leaves.append(_leaf_plan(path, x, b, world))
+    owners = _owners([lp for lp in leaves if isinstance(lp.placement, Owned)], world)
+    leaves = [attrs.evolve(lp, owner=owners[lp.path], rows=tuple((0, lp.shape[0]) if r == owners[lp.path] else (0, 0)
+                                                                 for r in range(world)))
+              if lp.path in owners else lp for lp in leaves]  # fmt: skip
+    return Plan(leaves, treedef, list(buckets), mesh, world, rank)
+
+
+def per_layer(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtype: torch.dtype | None = None,
+              rest: Placement | None = None) -> list[Bucket]:  # fmt: skip
+    """The default policy: one bucket per transformer layer (``layers.<i>.**``, gathered as the forward
+    reaches it) and one for every other leaf (embeddings, final norm, head; ``rest``: its placement,
+    default ``placement``)."""
+    layers = sorted({p.split(".")[1] for p in tree.paths(params) if p.startswith("layers.")}, key=_layer_key)
+    out = [Bucket(f"layers.{i}.**", placement, gather_dtype) for i in layers]
+    return [*out, Bucket("**", placement if rest is None else rest, gather_dtype, name="rest")]
+
+
+def per_leaf(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtype: torch.dtype | None = None
+             ) -> list[Bucket]:  # fmt: skip
+    """One bucket per leaf: a collective per tensor (today's per-leaf FSDP; the benchmarks' baseline)."""
+    return [Bucket(_escape(p), placement, gather_dtype, name=p) for p in tree.paths(params)]
+
+
+def _layer_key(i: str) -> tuple[int, str]:
+    return (int(i), "") if i.isdigit() else (1 << 30, i)
+
+
+def _escape(path: str) -> str:
+    if any(c in path for c in "*?"):
+        raise ValueError(f"flexshard.per_leaf: the path {path!r} has glob characters")
+    return path

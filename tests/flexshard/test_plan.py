@@ -1,0 +1,109 @@
+"""FlexShard plans on one process: every rank's layout computed (``plan(..., world=, rank=)``), the collectives
+simulated by concatenating (all-gather) or summing (reduce-scatter) the ranks' packed buffers; the gathered
+leaves equal the full params bit for bit, the reduced gradients equal each rank's part of the sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftitan as ft
+from ftitan import flexshard as fs
+from ftitan.models import llama
+
+CFG = llama.Config(vocab_size=250, dim=48, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=80, max_seq_len=32)
+PARAMS = llama.model(CFG).init(ft.random.key(0))  # head_dim 16: wq (48, 48) is 3 heads of 16 rows
+
+POLICIES = {
+    "shard0": lambda p: fs.per_layer(p, fs.Shard(0)),
+    "shard1": lambda p: fs.per_layer(p, fs.Shard(-1)),
+    "mixed": lambda p: [fs.Bucket(["layers.*.attn.wq", "layers.*.attn.wk"], fs.BlockShard(0, 16), name="heads"),
+                        fs.Bucket("layers.*.mlp.*", fs.Owned(), name="owned"),
+                        fs.Bucket("**.*norm*", fs.Replicate(), name="norms"),
+                        fs.Bucket("**", fs.Shard(0), gather_dtype=torch.bfloat16, name="rest")],
+    "per_leaf": lambda p: fs.per_leaf(p, fs.Shard(0)),
+}  # fmt: skip
+
+
+def _plans(policy: str, world: int) -> list[fs.Plan]:
+    return [fs.plan(PARAMS, POLICIES[policy](PARAMS), world=world, rank=r) for r in range(world)]
+
+
+def _flat(t) -> dict[str, torch.Tensor]:
+    paths, xs, _ = ft.tree.flatten_with_paths(t)
+    return dict(zip(paths, xs, strict=True))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_gathering_every_ranks_parts_gives_the_full_leaves(policy: str, world: int):
+    plans = _plans(policy, world)
+    locals_ = [p.shard(PARAMS) for p in plans]
+    full = _flat(PARAMS)
+    for name, bucket in plans[0].buckets.items():
+        gathered = torch.cat([p.pack(loc, name) for p, loc in zip(plans, locals_, strict=True)])  # an all-gather
+        leaves = plans[0].unpack(gathered, name)
+        for path, x in leaves.items():
+            want = full[path].to(bucket.gather_dtype or full[path].dtype)
+            assert torch.equal(x, want), (policy, world, path)
+        # this rank's parts: exactly what it stores, all of them different memory than the params
+        for r, (p, loc) in enumerate(zip(plans, locals_, strict=True)):
+            mine = p.unpack_local(p.pack(loc, name), name)
+            assert all(torch.equal(mine[k], _flat(loc)[k].to(mine[k].dtype)) for k in mine), (r, name)
+    # the parts add up to the whole, and a ragged dim is split as evenly as it goes
+    sizes = [sum(x.numel() for x in ft.tree.leaves(loc)) for loc in locals_]
+    replicated = sum(lp.numel(0) for lp in plans[0].leaves.values() if not lp.packed)
+    assert sum(sizes) - (world - 1) * replicated == ft.tree.size(PARAMS)
+    if policy == "shard0":
+        rows = [plans[r].leaves["embed"].local_shape(r)[0] for r in range(world)]
+        assert max(rows) - min(rows) <= 1 and sum(rows) == CFG.vocab_size
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduced_gradients_are_each_ranks_part_of_the_sum(world: int):
+    plans = _plans("mixed", world)
+    g = torch.Generator().manual_seed(1)
+    grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g), PARAMS) for _ in range(world)]
+    total = ft.tree.map(lambda *xs: sum(xs[1:], xs[0]), *grads)
+    for name in plans[0].buckets:
+        summed = sum(p.pack_full(gr, name) for p, gr in zip(plans, grads, strict=True))  # a reduce-scatter's input
+        n = plans[0].padded[name]
+        for r, p in enumerate(plans):
+            mine = p.unpack_local(summed[r * n : (r + 1) * n], name)
+            want = fs.plan(PARAMS, POLICIES["mixed"](PARAMS), world=world, rank=r).shard(total)
+            for path, x in mine.items():
+                torch.testing.assert_close(x, _flat(want)[path], rtol=1e-6, atol=1e-6)
+
+
+def test_block_shard_keeps_whole_heads_and_owned_leaves_are_balanced():
+    plans = _plans("mixed", 2)
+    wq = plans[0].leaves["layers.0.attn.wq"]
+    assert [wq.local_shape(r)[0] for r in range(2)] == [32, 16]  # 3 heads of 16 rows: 2 + 1
+    owned = [lp for lp in plans[0].leaves.values() if isinstance(lp.placement, fs.Owned)]
+    assert all(lp.owner == plans[1].leaves[lp.path].owner for lp in owned)  # every rank agrees
+    loads = [sum(fs.newton_schulz_cost(lp.shape) for lp in owned if lp.owner == r) for r in range(2)]
+    assert abs(loads[0] - loads[1]) <= max(fs.newton_schulz_cost(lp.shape) for lp in owned)
+    for lp in owned:  # the owner holds it whole, the others nothing
+        assert lp.local_shape(lp.owner) == lp.shape and lp.numel(1 - lp.owner) == 0
+
+
+def test_gather_is_differentiable_on_one_rank():
+    plan = fs.plan(PARAMS, fs.per_layer(PARAMS), world=1, rank=0)
+    local = ft.tree.map(lambda x: x.clone().requires_grad_(), plan.shard(PARAMS))
+    full = plan.gather_all(local)
+    loss = sum((x.float() ** 2).sum() for x in ft.tree.leaves(full))
+    loss.backward()
+    for x in ft.tree.leaves(local):
+        torch.testing.assert_close(x.grad, 2 * x.detach())
+
+
+def test_bad_plans_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="matches no bucket's patterns; add a catch-all"):
+        fs.plan(PARAMS, [fs.Bucket("layers.**")])
+    with pytest.raises(ValueError, match="not whole blocks of BlockShard"):
+        fs.plan(PARAMS, [fs.Bucket("**", fs.BlockShard(0, 7))])
+    with pytest.raises(ValueError, match="bucket names repeat"):
+        fs.plan(PARAMS, [fs.Bucket("embed"), fs.Bucket("embed"), fs.Bucket("**")])
+    remote = fs.plan(PARAMS, fs.per_layer(PARAMS), world=2, rank=1)
+    with pytest.raises(ValueError, match="its collectives need one"):
+        remote.gather(remote.shard(PARAMS), "rest")

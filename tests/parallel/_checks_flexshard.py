@@ -1,0 +1,135 @@
+"""FlexShard on gloo: gathering a plan's buckets gives the full params (one all-gather per bucket), and the
+gradients of the parts (one reduce-scatter per bucket, one all-reduce per bucket of replicated leaves) are
+each rank's part of the single-process gradient; ``reduce_grads`` gives the same parts.
+
+Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py flexshard_dp4``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ftitan as ft
+from _parity import batch_for, tiny_llama  # torchrun puts this folder on sys.path
+from ftitan import flexshard as fs
+from ftitan import parallel
+from ftitan.models import llama
+from ftitan.parallel import collectives as C
+
+
+def _buckets(params):
+    return [fs.Bucket(["layers.*.attn.wq", "layers.*.attn.wk"], fs.BlockShard(0, 16), name="heads"),
+            fs.Bucket("layers.*.mlp.*", fs.Owned(), name="owned"),
+            fs.Bucket("**.*norm*", fs.Replicate(), name="norms"),
+            *fs.per_layer(params, fs.Shard(0))]  # fmt: skip
+
+
+def _diff(xs, ys) -> float:
+    """The largest absolute difference over two trees' leaves (empty parts: 0)."""
+    return max((float((a.detach() - b).abs().max()) if a.numel() else 0.0 for a, b in zip(xs, ys, strict=True)),
+               default=0.0)  # fmt: skip
+
+
+def _max(x: float) -> float:
+    t = torch.tensor(float(x))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def flexshard_check(name: str, degrees: dict[str, int]) -> dict:
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
+    batch = batch_for(8, 16, 256)
+    ref_g, (ref_l, _) = ft.train.value_and_grad(loss_fn)(params, batch)
+
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    group = layout.group("dp_shard")
+    plan = fs.plan(params, _buckets(params), group)
+    local = ft.tree.map(lambda x: x.detach().requires_grad_(), plan.shard(params))
+    n = plan.world
+    rows = {k: v.chunk(n)[plan.rank] for k, v in batch.items()}  # this data rank's rows
+    with C.count_calls() as forward:
+        full = plan.gather_all(local)
+    gathered_diff = _diff(ft.tree.leaves(full), ft.tree.leaves(params))
+    loss, _ = loss_fn(full, rows)
+    with C.count_calls() as backward:
+        (loss / n).backward()
+    want = plan.shard(ref_g)
+    grad_diff = _diff([x.grad for x in ft.tree.leaves(local)], ft.tree.leaves(want))
+    # the same through reduce_grads: this rank's full-size gradient of its rows' share
+    mine = ft.train.value_and_grad(lambda p, b: (loss_fn(p, b)[0] / n, {}))(params, rows)[0]
+    with C.count_calls() as reduce:
+        reduced = plan.reduce_grads(mine)
+    reduce_diff = _diff(ft.tree.leaves(reduced), ft.tree.leaves(want))
+    total = layout.sum(loss.detach() / n, ("dp_shard",))  # (the tp ranks of a data rank compute the same)
+    packed = sum(1 for b in plan.buckets if plan.padded[b])
+    replicated = sum(1 for b in plan.buckets if any(not lp.packed for lp in plan.members[b]))
+    owners = sorted({lp.owner for lp in plan.leaves.values() if lp.owner is not None})
+    return {"check": name, "world": n, "buckets": len(plan.buckets), "packed_buckets": packed,
+            "replicated_buckets": replicated, "forward_calls": dict(forward), "backward_calls": dict(backward),
+            "reduce_calls": dict(reduce), "owners": owners, "loss_diff": abs(float(total) - float(ref_l)),
+            "gathered_diff": _max(gathered_diff), "grad_diff": _max(grad_diff), "reduce_diff": _max(reduce_diff),
+            "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
+
+
+CHECKS = {
+    "flexshard_dp4": lambda: flexshard_check("flexshard_dp4", {"dp_shard": 4}),
+    "flexshard_dp2_tp2": lambda: flexshard_check("flexshard_dp2_tp2", {"dp_shard": 2, "tp": 2}),
+}
+
+
+BLOCKS = {"layers.*.attn.wq": (0, 16), "layers.*.attn.wk": (0, 16)}  # per head (head_dim 16)
+
+
+def _muon_buckets(params):
+    return [fs.Bucket(["layers.*.attn.wq", "layers.*.attn.wk"], fs.BlockShard(0, 16), name="heads"),
+            fs.Bucket(["layers.*.mlp.*", "layers.*.attn.wv"], fs.Owned(), name="owned"),
+            fs.Bucket("**.*norm*", fs.Replicate(), name="norms"),
+            fs.Bucket("**", fs.Shard(0), name="rest")]  # wo, embed, head: rows split (wo gathered for Muon)
+
+
+def muon_check(name: str, degrees: dict[str, int], steps: int = 3) -> dict:
+    """Distributed Muon (+ AdamW) vs single-process muon_with_adamw(blocks=BLOCKS) fed the same gradients."""
+    params = llama.model(tiny_llama()).init(ft.random.key(0))
+    g = torch.Generator().manual_seed(5)
+    grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 0.01, params) for _ in range(steps)]
+    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=BLOCKS)
+    opt = ft.optim.muon_with_adamw(params, **kw)
+    state = opt.init(params)
+    ref = params
+    for gr in grads:
+        updates, state = opt.update(gr, state, ref)
+        ref = ft.optim.apply_updates(ref, updates)
+
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    plan = fs.plan(params, _muon_buckets(params), layout.group("dp_shard"))
+    dopt = fs.muon_with_adamw(plan, params, **kw)
+    local = plan.shard(params)
+    dstate = dopt.init(local)
+    with C.count_calls() as calls:
+        for gr in grads:
+            updates, dstate = dopt.update(plan.shard(gr), dstate, local)
+            local = ft.optim.apply_updates(local, updates)
+    final = plan.unshard(local)
+    paths = ft.tree.paths(params)
+    diffs = {p: float((a - b).abs().max()) for p, a, b in zip(paths, ft.tree.leaves(final), ft.tree.leaves(ref),
+                                                              strict=True)}  # fmt: skip
+    kinds = {p: (type(plan.leaves[p].placement).__name__, fs.local_kind(plan, p, BLOCKS)) for p in paths}
+    owned = [p for p in paths if kinds[p][0] == "Owned"]
+    mine = [p for p in owned if plan.leaves[p].owner == plan.rank]
+    return {"check": name, "world": plan.world, "calls_per_step": {k: v / steps for k, v in calls.items()},
+            "gathered_leaves": sorted(p for p, x in zip(paths, ft.tree.leaves(params), strict=True)
+                                      if kinds[p][1] == "gather" and ft.optim.muon_label(p, x) == "muon"),
+            "owned_diff": _max(max(diffs[p] for p in owned)),
+            "other_diff": _max(max(d for p, d in diffs.items() if p not in owned)),
+            "owned_here": len(mine), "owned": len(owned),
+            "moved": _max(max(float((a - b).abs().max()) for a, b in zip(ft.tree.leaves(ref), ft.tree.leaves(params),
+                                                                          strict=True)))}  # fmt: skip
+
+
+CHECKS.update({
+    "flexshard_muon_dp4": lambda: muon_check("flexshard_muon_dp4", {"dp_shard": 4}),
+    "flexshard_muon_dp2": lambda: muon_check("flexshard_muon_dp2", {"dp_shard": 2, "dp_replicate": 2}),
+})  # fmt: skip
