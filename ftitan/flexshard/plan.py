@@ -18,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ftitan import tree
+from ftitan.flexshard import quant
 from ftitan.parallel import collectives as C
 
 __all__ = [
@@ -79,13 +80,22 @@ def _patterns(value: str | Sequence[str]) -> tuple[str, ...]:
 class Bucket:
     """Leaves whose dotted paths match one of ``patterns`` (globs, ``ftitan.tree.match``), stored with
     ``placement`` and gathered together: one packed collective per bucket. ``gather_dtype``: what the parts
-    are cast to before the all-gather (e.g. ``torch.bfloat16``: half the bytes of float32); the gradients
-    come back in the state's dtype. A leaf belongs to the first bucket that matches it."""
+    are cast to before the all-gather (e.g. ``torch.bfloat16``: half the bytes of float32); ``quantize``
+    (``"int8"`` / ``"fp8"``): the parts travel blockwise-quantized, values and scales in the one buffer
+    (``ftitan.flexshard.quant``), and arrive dequantized in ``gather_dtype``; the gradients (a
+    reduce-scatter in full precision) come back in the state's dtype either way. A leaf belongs to the
+    first bucket that matches it."""
 
     patterns: tuple[str, ...] = attrs.field(converter=_patterns)
     placement: Placement = Shard(0)
     gather_dtype: torch.dtype | None = None
+    quantize: str | None = None  # "int8" / "fp8": the all-gather sends blockwise-quantized parts (quant.encode)
+    quant_block: quant.Block = 128  # values of a row per scale, or (rows, cols) tiles
     name: str = ""  # default: the first pattern
+
+    def __attrs_post_init__(self) -> None:
+        if self.quantize is not None and self.quantize not in quant.FORMATS:
+            raise ValueError(f"Bucket(quantize={self.quantize!r}): expected one of {sorted(quant.FORMATS)} or None")
 
     @property
     def label(self) -> str:
@@ -199,6 +209,20 @@ class Plan:
                     ends = [e + lp.numel(r) for r, e in enumerate(ends)]
             self.offsets[name] = offs
             self.padded[name] = max(ends)
+        # quantized buckets: each packed leaf's byte offset in a rank's encoded buffer, and its padded length
+        self.byte_offsets: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.padded_bytes: dict[str, int] = {}
+        for name, b in self.buckets.items():
+            if b.quantize is None:
+                continue
+            ends = [0] * world
+            boffs: dict[str, tuple[int, ...]] = {}
+            for lp in self.members[name]:
+                if lp.packed:
+                    boffs[lp.path] = tuple(ends)
+                    ends = [e + quant.encoded_bytes(lp.local_shape(r), b.quant_block) for r, e in enumerate(ends)]
+            self.byte_offsets[name] = boffs
+            self.padded_bytes[name] = max(ends)
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -265,7 +289,10 @@ class Plan:
         out = {}
         if self.padded[bucket]:
             buf = self.pack(flat, bucket)
-            out = self.unpack(buf if self.world == 1 else C.all_gather(buf, self._group()), bucket)
+            if b.quantize is not None:
+                out = self.unpack(_QuantizedGather.apply(buf, self, bucket), bucket)
+            else:
+                out = self.unpack(buf if self.world == 1 else C.all_gather(buf, self._group()), bucket)
         whole = [lp for lp in self.members[bucket] if not lp.packed]
         if whole:  # every rank holds them: the identity, whose gradient is one all-reduce of them all, packed
             xs = [flat[lp.path].to(b.gather_dtype or flat[lp.path].dtype) for lp in whole]
@@ -332,6 +359,32 @@ class Plan:
         parts = [every[r * n : r * n + lp.numel(r)].view(lp.local_shape(r)) for r in range(self.world) if lp.numel(r)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=lp.dim)
 
+    def encode(self, buf: torch.Tensor, bucket: str) -> torch.Tensor:
+        """This rank's packed parts (:meth:`pack`) of a quantized bucket, blockwise-quantized: one ``uint8``
+        buffer of the bucket's padded byte length (each part's values, then its scales)."""
+        b = self.buckets[bucket]
+        pieces = [quant.encode(part, b.quantize, b.quant_block) for part in self.unpack_local(buf, bucket).values()]
+        used = sum(p.numel() for p in pieces)
+        pieces.append(torch.zeros(self.padded_bytes[bucket] - used, dtype=torch.uint8, device=buf.device))
+        return torch.cat(pieces)
+
+    def decode(self, gathered: torch.Tensor, bucket: str, dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's :meth:`encode` buffer (``(world * padded_bytes,)``) back to the layout of an unquantized
+        all-gather of the packed parts (``(world * padded,)`` in ``dtype``)."""
+        b, n, nb = self.buckets[bucket], self.padded[bucket], self.padded_bytes[bucket]
+        out = torch.zeros(self.world * n, dtype=dtype, device=gathered.device)
+        for lp in self.members[bucket]:
+            if not lp.packed:
+                continue
+            for r in range(self.world):
+                if lp.numel(r):
+                    start = r * nb + self.byte_offsets[bucket][lp.path][r]
+                    part = gathered[start : start + quant.encoded_bytes(lp.local_shape(r), b.quant_block)]
+                    at = r * n + self.offsets[bucket][lp.path][r]
+                    out[at : at + lp.numel(r)] = quant.decode(part, lp.local_shape(r), b.quantize, b.quant_block,
+                                                              dtype).reshape(-1)  # fmt: skip
+        return out
+
     def unpack_local(self, buf: torch.Tensor, bucket: str) -> dict[str, torch.Tensor]:
         """This rank's parts of ``bucket``'s packed leaves from its own flat buffer."""
         offs = self.offsets[bucket]
@@ -359,6 +412,27 @@ class Plan:
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}: {len(m)} leaves, {self.padded[name]} per rank" for name, m in self.members.items())
         return f"Plan(world={self.world}, rank={self.rank}; {parts})"
+
+
+class _QuantizedGather(torch.autograd.Function):
+    """A quantized bucket's all-gather: this rank's packed parts encoded (values and scales in one ``uint8``
+    buffer), all-gathered, decoded into the unquantized gather's layout. The backward is the unquantized
+    gather's: a reduce-scatter of the full-precision gradients (straight through the rounding)."""
+
+    @staticmethod
+    def forward(buf: torch.Tensor, plan: Plan, bucket: str) -> torch.Tensor:  # type: ignore[override]
+        encoded = plan.encode(buf, bucket)
+        gathered = encoded if plan.world == 1 else C._ag(encoded, 0, plan._group())
+        return plan.decode(gathered, bucket, buf.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.plan = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
+        plan = ctx.plan
+        return (g if plan.world == 1 else C._rs(g, 0, plan._group())), None, None
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:  # flattened, one buffer (one dtype)
