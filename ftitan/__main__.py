@@ -10,6 +10,7 @@
     ftitan bench generate [--peers ... --batches 1 8 --out FILE]
     ftitan bench checkpoint [--state-mib 1024 --rounds 5 --out FILE]
     ftitan bench rl [--recipe llama3-debug --rl-steps 12 --out FILE]
+    ftitan bench flexshard [--nproc 4 --rounds 5 --out FILE]
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ USAGE = """usage:
   ftitan bench parallel [options]                                                  (ftitan bench parallel --help)
   ftitan bench generate [options]                                                  (ftitan bench generate --help)
   ftitan bench checkpoint [options]                                                (ftitan bench checkpoint --help)
-  ftitan bench rl [options]                                                        (ftitan bench rl --help)"""
+  ftitan bench rl [options]                                                        (ftitan bench rl --help)
+  ftitan bench flexshard [options]                                                 (ftitan bench flexshard --help)"""
 
 
 @attrs.frozen(kw_only=True)
@@ -241,6 +243,10 @@ def _dispatch(argv: list[str]) -> int:
         from ftitan.bench.checkpoint import main as bench_checkpoint
 
         return bench_checkpoint(argv[2:])
+    if argv[:2] == ["bench", "flexshard"]:
+        from ftitan.bench.flexshard import main as bench_flexshard
+
+        return bench_flexshard(argv[2:])
     if argv[:2] == ["bench", "rl"]:
         from ftitan.bench.rl import main as bench_rl
 

@@ -66,6 +66,20 @@ def test_parallel_example_trains_on_four_ranks():
     assert "Layout(cp=2, tp=2)" in out and "layers.0.attn.wq     (tp, -)" in out, out
 
 
+def test_flexshard_example_trains_on_four_ranks():
+    """examples/flexshard_train.py: int8 gathers, distributed Muon over BlockShard heads and Owned matrices."""
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+         str(ROOT / "examples" / "flexshard_train.py"), "--steps", "21"],
+        capture_output=True, text=True, check=True, timeout=600, env=env,
+    ).stdout  # fmt: skip
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 3, out
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
+    assert "layers.0.mlp.w1      Owned      owner rank" in out and "BlockShard rows [64, 64, 64, 64]" in out, out
+
+
 def test_vllm_example_generates_the_same_tokens_natively_and_in_vllm():
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_generate.py"), "--max-new-tokens", "8"],
                          capture_output=True, text=True, timeout=600)  # fmt: skip

@@ -396,6 +396,18 @@ class Plan:
         with torch.no_grad():
             return self.gather_all(local)
 
+    def global_norm(self, local: tree.Tree) -> torch.Tensor:
+        """The L2 norm of the full tree whose parts are ``local`` (e.g. the gradients): the parts' squares
+        summed over the ranks (one all-reduce of a scalar), replicated leaves counted once."""
+        flat = self._flat(local)
+        parts = [flat[p].float().square().sum() for p, lp in self.leaves.items() if lp.packed]
+        whole = [flat[p].float().square().sum() for p, lp in self.leaves.items() if not lp.packed]
+        zero = torch.zeros((), device=next(iter(flat.values())).device)
+        sq = sum(parts, zero)
+        if self.world > 1:
+            sq = C.all_reduce_value(sq, self._group())
+        return torch.sqrt(sq + sum(whole, zero))
+
     def _flat(self, x: Any) -> Mapping[str, torch.Tensor]:
         """``{path: leaf}`` of a tree shaped like the params, or of such a mapping already."""
         if isinstance(x, Mapping) and x and set(x) <= set(self.leaves) and all(
@@ -483,19 +495,19 @@ def plan(
 
 
 def per_layer(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtype: torch.dtype | None = None,
-              rest: Placement | None = None) -> list[Bucket]:  # fmt: skip
+              quantize: str | None = None, rest: Placement | None = None) -> list[Bucket]:  # fmt: skip
     """The default policy: one bucket per transformer layer (``layers.<i>.**``, gathered as the forward
     reaches it) and one for every other leaf (embeddings, final norm, head; ``rest``: its placement,
-    default ``placement``)."""
+    default ``placement``); ``gather_dtype`` and ``quantize`` as in :class:`Bucket`, for every bucket."""
     layers = sorted({p.split(".")[1] for p in tree.paths(params) if p.startswith("layers.")}, key=_layer_key)
-    out = [Bucket(f"layers.{i}.**", placement, gather_dtype) for i in layers]
-    return [*out, Bucket("**", placement if rest is None else rest, gather_dtype, name="rest")]
+    out = [Bucket(f"layers.{i}.**", placement, gather_dtype, quantize) for i in layers]
+    return [*out, Bucket("**", placement if rest is None else rest, gather_dtype, quantize, name="rest")]
 
 
-def per_leaf(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtype: torch.dtype | None = None
-             ) -> list[Bucket]:  # fmt: skip
+def per_leaf(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtype: torch.dtype | None = None,
+             quantize: str | None = None) -> list[Bucket]:  # fmt: skip
     """One bucket per leaf: a collective per tensor (today's per-leaf FSDP; the benchmarks' baseline)."""
-    return [Bucket(_escape(p), placement, gather_dtype, name=p) for p in tree.paths(params)]
+    return [Bucket(_escape(p), placement, gather_dtype, quantize, name=p) for p in tree.paths(params)]
 
 
 def _layer_key(i: str) -> tuple[int, str]:
