@@ -26,7 +26,8 @@ under any mesh and placements: resharding), from the chunks overlapping it,
 through the JSON manifest and safetensors headers alone (nothing is
 unpickled). :func:`latest` and :meth:`RunDir.resume` skip (with a warning)
 checkpoints whose files were damaged later, falling back to the previous
-one. Version-1 checkpoints (one ``state.safetensors``) still load::
+one. A :class:`Part` leaf (a block at given offsets of a global tensor: FlexShard's parts) is written and
+read like a DTensor's block. Version-1 checkpoints (one ``state.safetensors``) still load::
 
     import ftitan.checkpoint as ckpt
 
@@ -55,6 +56,7 @@ from ftitan.checkpoint._manifest import (
     verify_files,
 )
 from ftitan.checkpoint._save import save
+from ftitan.checkpoint._shards import Part
 from ftitan.checkpoint.run import RunDir, RunDirError, load_run
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "RunDir",
     "RunDirError",
     "Manifest",
+    "Part",
     "latest",
     "list_checkpoints",
     "load",

@@ -32,7 +32,7 @@ from ftitan.checkpoint._manifest import (
     spec_of,
     verify_files,
 )
-from ftitan.checkpoint._shards import block_of
+from ftitan.checkpoint._shards import Part, block_of
 
 __all__ = ["Reader", "load"]
 
@@ -203,7 +203,7 @@ def _check_structure(manifest: Manifest, paths: list[str], likes: list[Any], *, 
             "did (same model and optimizer config; manifest.extra may hold it)"
         )
     for path, like in zip(paths, likes, strict=True):
-        if not isinstance(like, torch.Tensor):
+        if not isinstance(like, (torch.Tensor, Part)):
             raise TypeError(f"{path}: like_tree leaf is a {type(like).__name__}, expected a tensor")
         want, got = spec_of(path, like), saved[path]
         if want.shape != got.shape:
@@ -223,9 +223,16 @@ def _some(paths: list[str]) -> str:
     return shown + (f" (and {len(paths) - _SHOWN} more)" if len(paths) > _SHOWN else "")
 
 
-def _restore(reader: Reader, path: str, like: torch.Tensor, *, into: bool = False) -> torch.Tensor:
+def _restore(reader: Reader, path: str, like: Any, *, into: bool = False) -> Any:
     offsets, shape = block_of(path, like)
     x = reader.read(path, offsets, shape)
+    if isinstance(like, Part):
+        if into and like.local.device.type != "meta":
+            with torch.no_grad():
+                like.local.copy_(x)
+            return like
+        return Part(x.to(like.local.device) if like.local.device.type not in ("cpu", "meta") else x, like.shape,
+                    like.offsets, like.write)  # fmt: skip
     local = like.to_local() if isinstance(like, DTensor) else like
     if into and local.device.type != "meta":
         with torch.no_grad():

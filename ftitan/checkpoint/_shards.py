@@ -21,9 +21,35 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from ftitan import tree as ftree
 from ftitan.checkpoint._manifest import Chunk, LeafSpec, spec_of
 
-__all__ = ["SavePlan", "block_of", "plan_save"]
+__all__ = ["Part", "SavePlan", "block_of", "plan_save"]
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
+
+
+class Part:
+    """A block of a global tensor that this rank holds outside DTensor's placements (FlexShard's ragged rows
+    and owned matrices): ``local`` sits at ``offsets`` of a tensor of ``shape``; ``write`` says whether
+    this rank writes it (one holder per block; an empty block is never written). As a leaf of a tree
+    to restore into, a Part asks for the block at its ``offsets`` of its ``local``'s shape, whatever
+    blocks the saving ranks held (resharding), and comes back as a Part holding it.
+    ``ftitan.flexshard.Plan.parts`` / ``from_parts`` make and unmake them."""
+
+    __slots__ = ("local", "offsets", "shape", "write")
+
+    def __init__(self, local: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...], write: bool = True
+                 ) -> None:  # fmt: skip
+        if len(shape) != local.dim() or len(offsets) != local.dim() or any(
+                o < 0 or o + n > s for o, n, s in zip(offsets, local.shape, shape, strict=True)):  # fmt: skip
+            raise ValueError(f"Part: a block of shape {tuple(local.shape)} at {tuple(offsets)} is not inside a tensor "
+                             f"of shape {tuple(shape)}")  # fmt: skip
+        self.local, self.shape, self.offsets, self.write = local, tuple(shape), tuple(offsets), write
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def __repr__(self) -> str:
+        return f"Part({tuple(self.local.shape)} at {self.offsets} of {self.shape}, write={self.write})"
 
 
 class SavePlan(NamedTuple):
@@ -47,7 +73,9 @@ def _check_placements(path: str, x: DTensor) -> None:
 
 def block_of(path: str, x: torch.Tensor) -> Block:
     """``(offsets, shape)`` of the block of ``x``'s global tensor this rank holds: a DTensor's local
-    block (DTensor's chunking, uneven sizes included), or all of a plain tensor."""
+    block (DTensor's chunking, uneven sizes included), a :class:`Part`'s, or all of a plain tensor."""
+    if isinstance(x, Part):
+        return x.offsets, tuple(x.local.shape)
     if isinstance(x, DTensor):
         _check_placements(path, x)
         shape, offsets = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
@@ -86,7 +114,7 @@ def plan_save(tree: Any, *, rank: int, file: str) -> SavePlan:
     seen: set[str] = set()
     storages: set[int] = set()
     for path, x in zip(paths, leaves, strict=True):
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, (torch.Tensor, Part)):
             raise TypeError(
                 f"{path}: leaf is a {type(x).__name__}, not a tensor; a checkpoint stores tensors only. "
                 "Make it a 0-d tensor, or pass it through save(..., extra={...})"
@@ -97,12 +125,14 @@ def plan_save(tree: Any, *, rank: int, file: str) -> SavePlan:
                 "rename the keys so that paths are unique"
             )
         seen.add(path)
-        local = x.to_local() if isinstance(x, DTensor) else x
+        local = x.local if isinstance(x, Part) else x.to_local() if isinstance(x, DTensor) else x
         if local.device.type == "meta":
             raise ValueError(f"{path}: a meta tensor has no data to save; materialize the tree first")
         offsets, shape = block_of(path, x)
         spec = spec_of(path, x)
-        if isinstance(x, DTensor):
+        if isinstance(x, Part):
+            mine = x.write and local.numel() > 0
+        elif isinstance(x, DTensor):
             mine = _writes(x)
         else:
             plain.append((path, spec.dtype, spec.shape))

@@ -396,6 +396,43 @@ class Plan:
         with torch.no_grad():
             return self.gather_all(local)
 
+    def parts(self, local: tree.Tree, *, write: bool = True) -> tree.Tree:
+        """``local`` (the parts, or any tree holding part-shaped trees: an optimizer state) with each part a
+        ``ftitan.checkpoint.Part`` placed in its full tensor, for ``ftitan.checkpoint.save`` / ``load``:
+        a checkpoint of FlexShard state that loads under another plan or rank count (:meth:`from_parts`).
+        A leaf is matched to the plan's leaf whose path ends its own and whose part has its shape; other
+        leaves (step counts) stay as they are. Each block is written once: Replicate leaves by rank 0 of
+        the group, Owned ones by their owner; ``write=False`` for a rank whose group duplicates another's
+        (e.g. ``dp_replicate`` coordinate > 0)."""
+        from ftitan.checkpoint import Part
+
+        def one(path: str, x: Any) -> Any:
+            lp = self._match(path, x)
+            if lp is None:
+                return x
+            lo = lp.rows[self.rank][0]
+            offsets = tuple(lo if d == lp.dim else 0 for d in range(len(lp.shape)))
+            return Part(x, lp.shape, offsets, write and (lp.packed or self.rank == 0))
+
+        return tree.map_with_path(one, local)
+
+    def from_parts(self, parts: tree.Tree) -> tree.Tree:
+        """:meth:`parts`' inverse: the tensors of the ``Part`` leaves (as loaded into this plan's layout)."""
+        from ftitan.checkpoint import Part
+
+        return tree.map(lambda x: x.local if isinstance(x, Part) else x, parts)
+
+    def _match(self, path: str, x: Any) -> LeafPlan | None:
+        """The plan's leaf whose path is the longest dotted suffix of ``path`` and whose part has ``x``'s shape."""
+        if not isinstance(x, torch.Tensor):
+            return None
+        names = path.split(".")
+        for i in range(len(names)):
+            lp = self.leaves.get(".".join(names[i:]))
+            if lp is not None:
+                return lp if tuple(x.shape) == lp.local_shape(self.rank) else None
+        return None
+
     def global_norm(self, local: tree.Tree) -> torch.Tensor:
         """The L2 norm of the full tree whose parts are ``local`` (e.g. the gradients): the parts' squares
         summed over the ranks (one all-reduce of a scalar), replicated leaves counted once."""

@@ -107,3 +107,27 @@ def test_bad_plans_are_refused_with_the_fix():
     remote = fs.plan(PARAMS, fs.per_layer(PARAMS), world=2, rank=1)
     with pytest.raises(ValueError, match="its collectives need one"):
         remote.gather(remote.shard(PARAMS), "rest")
+
+
+def test_parts_place_every_part_and_state_leaf_in_its_full_tensor():
+    from ftitan.checkpoint import Part
+
+    plan = fs.plan(PARAMS, POLICIES["mixed"](PARAMS), world=3, rank=1)
+    local = plan.shard(PARAMS)
+    opt = ft.optim.adamw(1e-3)
+    state = {"params": local, "opt": opt.init(local), "step": torch.tensor(4)}
+    parts = plan.parts(state)
+    flat = _flat(parts)
+    assert isinstance(flat["step"], torch.Tensor)  # not a part: a plain leaf
+    wq = plan.leaves["layers.0.attn.wq"]  # 3 heads of 16 rows on 3 ranks: rank 1 holds rows 16..31
+    for path in ("params.layers.0.attn.wq", *[p for p in flat if p.endswith("mu.layers.0.attn.wq")]):
+        part = flat[path]
+        assert isinstance(part, Part) and part.offsets == (16, 0) and part.shape == wq.shape and part.write
+    norm = next(v for p, v in flat.items() if p.endswith("params.layers.0.attn_norm"))
+    assert isinstance(norm, Part) and not norm.write  # replicated: written by rank 0 alone
+    owned = [v for p, v in flat.items() if p.startswith("params.") and isinstance(v, Part)
+             and isinstance(plan.leaves[p[len("params."):]].placement, fs.Owned)]  # fmt: skip
+    assert owned and all((v.local.numel() > 0) == (plan.leaves[p].owner == 1) for p, v in
+                         ((p[len("params."):], v) for p, v in flat.items() if v in owned))  # fmt: skip
+    back = plan.from_parts(parts)
+    assert all(a is b for a, b in zip(ft.tree.leaves(back), ft.tree.leaves(state), strict=True))

@@ -7,6 +7,8 @@ Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -14,8 +16,8 @@ import ftitan as ft
 from _parity import batch_for, tiny_llama  # torchrun puts this folder on sys.path
 from ftitan import flexshard as fs
 from ftitan import parallel
-from ftitan.models import llama
 from ftitan.flexshard import quant
+from ftitan.models import llama
 from ftitan.parallel import collectives as C
 
 
@@ -91,12 +93,30 @@ def _muon_buckets(params):
             fs.Bucket("**", fs.Shard(0), name="rest")]  # wo, embed, head: rows split (wo gathered for Muon)
 
 
-def muon_check(name: str, degrees: dict[str, int], steps: int = 3) -> dict:
-    """Distributed Muon (+ AdamW) vs single-process muon_with_adamw(blocks=BLOCKS) fed the same gradients."""
-    params = llama.model(tiny_llama()).init(ft.random.key(0))
+# per head: rows of q / k / v, columns of o
+MOE_BLOCKS = {**{f"layers.*.attn.{w}": (0, 16) for w in ("wq", "wk", "wv")}, "layers.*.attn.wo": (-1, 16)}
+
+
+def _moe_buckets(params):
+    return [fs.Bucket([f"layers.*.attn.{w}" for w in ("wq", "wk", "wv")], fs.BlockShard(0, 16), name="heads"),
+            fs.Bucket("layers.*.attn.wo", fs.BlockShard(1, 16), name="out_heads"),
+            fs.Bucket("layers.*.moe.experts.*", fs.Shard(0), name="experts"),  # whole experts, ragged: 2, 2, 1, 1
+            fs.Bucket("layers.*.moe.router", fs.Owned(), name="routers"),
+            fs.Bucket("**", fs.Replicate(), name="rest")]  # fmt: skip
+
+
+def muon_check(name: str, degrees: dict[str, int], steps: int = 3, moe: bool = False) -> dict:
+    """Distributed Muon (+ AdamW) vs single-process muon_with_adamw(blocks=...) fed the same gradients."""
+    from _checks_ep import tiny_qwen3_moe
+
+    from ftitan.models import qwen3_moe
+
+    model = qwen3_moe.model(tiny_qwen3_moe(n_experts=6)) if moe else llama.model(tiny_llama())
+    blocks, make_buckets = (MOE_BLOCKS, _moe_buckets) if moe else (BLOCKS, _muon_buckets)
+    params = model.init(ft.random.key(0))
     g = torch.Generator().manual_seed(5)
     grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 0.01, params) for _ in range(steps)]
-    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=BLOCKS)
+    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=blocks)
     opt = ft.optim.muon_with_adamw(params, **kw)
     state = opt.init(params)
     ref = params
@@ -105,7 +125,7 @@ def muon_check(name: str, degrees: dict[str, int], steps: int = 3) -> dict:
         ref = ft.optim.apply_updates(ref, updates)
 
     layout = parallel.Layout(parallel.mesh(**degrees))
-    plan = fs.plan(params, _muon_buckets(params), layout.group("dp_shard"))
+    plan = fs.plan(params, make_buckets(params), layout.group("dp_shard"))
     dopt = fs.muon_with_adamw(plan, params, **kw)
     local = plan.shard(params)
     dstate = dopt.init(local)
@@ -117,7 +137,7 @@ def muon_check(name: str, degrees: dict[str, int], steps: int = 3) -> dict:
     paths = ft.tree.paths(params)
     diffs = {p: float((a - b).abs().max()) for p, a, b in zip(paths, ft.tree.leaves(final), ft.tree.leaves(ref),
                                                               strict=True)}  # fmt: skip
-    kinds = {p: (type(plan.leaves[p].placement).__name__, fs.local_kind(plan, p, BLOCKS)) for p in paths}
+    kinds = {p: (type(plan.leaves[p].placement).__name__, fs.local_kind(plan, p, blocks)) for p in paths}
     owned = [p for p in paths if kinds[p][0] == "Owned"]
     mine = [p for p in owned if plan.leaves[p].owner == plan.rank]
     return {"check": name, "world": plan.world, "calls_per_step": {k: v / steps for k, v in calls.items()},
@@ -133,6 +153,7 @@ def muon_check(name: str, degrees: dict[str, int], steps: int = 3) -> dict:
 CHECKS.update({
     "flexshard_muon_dp4": lambda: muon_check("flexshard_muon_dp4", {"dp_shard": 4}),
     "flexshard_muon_dp2": lambda: muon_check("flexshard_muon_dp2", {"dp_shard": 2, "dp_replicate": 2}),
+    "flexshard_muon_moe_dp4": lambda: muon_check("flexshard_muon_moe_dp4", {"dp_shard": 4}, moe=True),
 })  # fmt: skip
 
 
@@ -198,3 +219,59 @@ def attrs_evolve(b, **kw):
 
 
 CHECKS["flexshard_quantized_dp4"] = lambda: quantized_check("flexshard_quantized_dp4")
+
+
+def checkpoint_check(name: str, steps: int = 2) -> dict:
+    """FlexShard state (parts, distributed Muon + AdamW state, step) saved on 4 ranks (dp_shard 4) and loaded
+    under another plan on 2 (dp_shard 2 x dp_replicate 2): equal to the state that plan reaches itself, and
+    one more step from either is the same."""
+    import shutil
+    import tempfile
+
+    import ftitan.checkpoint as ckpt
+
+    params = llama.model(tiny_llama()).init(ft.random.key(0))
+    g = torch.Generator().manual_seed(5)
+    grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 0.01, params) for _ in range(steps + 1)]
+    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=BLOCKS)
+
+    def run(plan, opt, state, gs):
+        local, opt_state = state["params"], state["opt"]
+        for gr in gs:
+            updates, opt_state = opt.update(plan.shard(gr), opt_state, local)
+            local = ft.optim.apply_updates(local, updates)
+        return {"params": local, "opt": opt_state, "step": state["step"] + len(gs)}
+
+    def fresh(plan, opt):
+        local = plan.shard(params)
+        return {"params": local, "opt": opt.init(local), "step": torch.zeros((), dtype=torch.int64)}
+
+    a = fs.plan(params, _muon_buckets(params), parallel.mesh(dp_shard=4)["dp_shard"])
+    opt_a = fs.muon_with_adamw(a, params, **kw)
+    saved = run(a, opt_a, fresh(a, opt_a), grads[:steps])
+    box = [tempfile.mkdtemp(prefix="ftitan-flexshard-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    ckpt.save(box[0], steps, a.parts(saved))
+    written = len(list(next(Path(box[0]).glob("step_*")).glob("rank*.safetensors")))
+
+    layout_b = parallel.Layout(parallel.mesh(dp_shard=2, dp_replicate=2))
+    b = fs.plan(params, _muon_buckets(params), layout_b.group("dp_shard"))
+    opt_b = fs.muon_with_adamw(b, params, **kw)
+    loaded, _ = ckpt.load(box[0], b.parts(fresh(b, opt_b)))
+    loaded = b.from_parts(loaded)
+    own = run(b, opt_b, fresh(b, opt_b), grads[:steps])
+    state_diff = max((float((x - y).abs().max()) if x.numel() else 0.0)
+                     for x, y in zip(ft.tree.leaves(loaded), ft.tree.leaves(own), strict=True))  # fmt: skip
+    after = run(b, opt_b, loaded, grads[steps:])["params"]
+    own_after = run(b, opt_b, own, grads[steps:])["params"]
+    next_diff = max((float((x - y).abs().max()) if x.numel() else 0.0)
+                    for x, y in zip(ft.tree.leaves(after), ft.tree.leaves(own_after), strict=True))  # fmt: skip
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0])
+    return {"check": name, "files": written, "step": int(loaded["step"]), "state_diff": _max(state_diff),
+            "next_diff": _max(next_diff), "leaves": len(ft.tree.leaves(loaded)),
+            "world_b": b.world}  # fmt: skip
+
+
+CHECKS["flexshard_checkpoint_4_to_2"] = lambda: checkpoint_check("flexshard_checkpoint_4_to_2")
