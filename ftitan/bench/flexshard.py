@@ -12,9 +12,10 @@ prints one JSON object (DESIGN.md, "Benchmarks"):
   buckets in bf16 against blockwise-quantized int8 and fp8 (a byte per value plus a float32 scale per
   128 values, in the same buffer), and the all-gathers called (one per bucket). Goal: ``int8/bf16 <= 0.52``
   (and fp8's), one collective per bucket.
-- ``step``: one training step (gather, forward, backward with its reduce-scatters, AdamW on the parts) with
-  the default policy (a bucket per layer) against ``per_leaf`` (a bucket, so a collective, per tensor).
-  Goal: ``per_layer/per_leaf <= 1.0`` (not slower), with fewer collectives (counted).
+- ``step``: one step of the trainer's parallel step under ``dp_shard`` (``parallel.make_train_step``:
+  gathers, forward, backward with its reduce-scatters, AdamW) with FlexShard's default policy (a bucket
+  per layer) against ``per_leaf`` (a collective per tensor). Goal: ``per_layer/per_leaf <= 1.0`` (not
+  slower), with fewer collectives (counted).
 
 Times are medians over ``--rounds`` (after ``--warmup``) of the slowest rank (a barrier on each side).
 """
@@ -149,34 +150,31 @@ def _gather_part(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _step_part(cfg: dict[str, Any], warmup: int, rounds: int) -> dict[str, Any]:
+    """The trainer's parallel step under ``dp_shard`` (``parallel.make_train_step``, AdamW), per-layer
+    buckets against per-leaf gathers."""
     import ftitan as ft
-    from ftitan import flexshard as fs
     from ftitan import parallel
 
     model = _model(cfg)
     params = model.init(ft.random.key(0))
-    loss_fn = ft.train.next_token_loss(model)
-    group = parallel.mesh(dp_shard=int(os.environ["WORLD_SIZE"]))["dp_shard"]
+    layout = parallel.Layout(parallel.mesh(dp_shard=int(os.environ["WORLD_SIZE"])))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
     g = torch.Generator().manual_seed(0)
     tok = torch.randint(0, cfg["vocab_size"], (cfg["batch_size"], cfg["seq_len"] + 1), generator=g)
+    batch = parallel.shard_batch({"inputs": tok[:, :-1], "targets": tok[:, 1:]}, layout)
+    opt = ft.optim.adamw(1e-3, weight_decay=0.1)
     out = {}
-    for name, buckets in (("per_layer", fs.per_layer(params)), ("per_leaf", fs.per_leaf(params))):
-        plan = fs.plan(params, buckets, group)
-        rows = {"inputs": tok[:, :-1].chunk(plan.world)[plan.rank], "targets": tok[:, 1:].chunk(plan.world)[plan.rank]}
-        opt = ft.optim.adamw(1e-3, weight_decay=0.1)
-        box = {"local": plan.shard(params)}
-        box["state"] = opt.init(box["local"])
+    for name in ("per_layer", "per_leaf"):
+        step = parallel.make_train_step(ft.train.next_token_loss(model), opt, layout, buckets=name)
+        box = {"state": ft.train.init_state(sharded, opt)}
 
-        def step() -> None:
-            local = ft.tree.map(lambda x: x.detach().requires_grad_(), box["local"])
-            loss = loss_fn(plan.gather_all(local), rows)[0] / plan.world
-            grads = ft.tree.unflatten(ft.tree.structure(local), torch.autograd.grad(loss, ft.tree.leaves(local)))
-            updates, box["state"] = opt.update(grads, box["state"], local)
-            box["local"] = ft.optim.apply_updates(ft.tree.map(torch.Tensor.detach, local), updates)
+        def run() -> None:
+            box["state"], m = step(box["state"], batch)
+            float(m["loss"])
 
         with parallel.collectives.count_calls() as calls:
-            step()
-        out[name] = _peer(_timed(step, warmup, rounds), collectives=dict(calls), buckets=len(plan.buckets))
+            run()
+        out[name] = _peer(_timed(run, warmup, rounds), collectives=dict(calls))
     return out
 
 

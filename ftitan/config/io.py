@@ -14,6 +14,7 @@ from ftitan.config.schema import (
     CheckpointConfig,
     DataConfig,
     DPOConfig,
+    FlexShardConfig,
     InitConfig,
     LoRAConfig,
     MixedPrecisionConfig,
@@ -26,7 +27,7 @@ from ftitan.models import registry
 
 __all__ = ["config_from_dict", "config_to_dict"]
 
-_SECTIONS = {"optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig,
+_SECTIONS = {"optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig, "flexshard": FlexShardConfig,
              "mixed_precision": MixedPrecisionConfig, "init": InitConfig, "checkpoint": CheckpointConfig,
              "lora": LoRAConfig, "dpo": DPOConfig, "rl": RLConfig}  # fmt: skip
 

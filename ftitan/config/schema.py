@@ -14,7 +14,7 @@ import tyro
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 from ftitan.parallel.dims import ParallelDims
 
-__all__ = ["CheckpointConfig", "DPOConfig", "DataConfig", "InitConfig", "LoRAConfig", "MixedPrecisionConfig",
+__all__ = ["CheckpointConfig", "DPOConfig", "DataConfig", "FlexShardConfig", "InitConfig", "LoRAConfig", "MixedPrecisionConfig",
            "ModelConfig", "OptimConfig", "ParallelConfig", "RLConfig", "TrainConfig"]  # fmt: skip
 
 # every trainable family's config; a recipe picks one and its fields become --model.* flags
@@ -84,6 +84,13 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dims().world_size
+
+
+@attrs.frozen(kw_only=True)
+class FlexShardConfig:
+    """FlexShard, the data-parallel sharding behind --parallel.dp-shard (docs/flexshard.md)."""
+
+    buckets: str = "per_layer"  # "per_layer": one all-gather / reduce-scatter per layer's dp_shard leaves; "per_leaf": one per leaf
 
 
 @attrs.frozen(kw_only=True)
@@ -168,6 +175,7 @@ class TrainConfig:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     parallel: ParallelConfig = ParallelConfig()
+    flexshard: FlexShardConfig = FlexShardConfig()
     mixed_precision: MixedPrecisionConfig = MixedPrecisionConfig()
     init: InitConfig = InitConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -186,6 +186,11 @@ def _check_runtime(cfg: TrainConfig) -> None:
 
     device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     resolve_backend(cfg.parallel.backend, device)
+    from ftitan.parallel.shard import BUCKETS
+
+    if cfg.flexshard.buckets not in BUCKETS:
+        raise _fail("--flexshard.buckets", cfg.flexshard.buckets, f"expected one of {BUCKETS} (a collective per "
+                    "layer's dp_shard leaves, or per leaf)")  # fmt: skip
     mp = cfg.mixed_precision
     for field in ("param", "compute", "reduce"):
         value = getattr(mp, field)

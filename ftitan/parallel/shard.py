@@ -19,7 +19,8 @@ before the reduce-scatter and all-reduce, then arrives in the shard's
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +35,7 @@ from ftitan.parallel.rules import Rules, Sharding, check_sharded, local_slice, r
 if TYPE_CHECKING:
     from ftitan.train.precision import MixedPrecision
 
-__all__ = ["from_local", "gathered", "shard_params", "to_local", "unshard"]
+__all__ = ["BUCKETS", "from_local", "gathered", "per_layer_bucket", "shard_params", "to_local", "unshard"]
 
 # axes a weight may be stored split over but is gathered on for compute (tp / ep stay split)
 GATHERED_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
@@ -148,8 +149,129 @@ def gather_leaf(
     return _Unshard.apply(x, gathers, replicated, compute, reduce)
 
 
+def _dtypes(path: str, x: torch.Tensor, precision: MixedPrecision | None) -> tuple[torch.dtype, torch.dtype]:
+    """``(compute, reduce)`` dtypes of one leaf under ``precision`` (its own dtype where the policy keeps it)."""
+    if precision is None or (precision.keep and precision.keeps(path)) or not x.is_floating_point():
+        return x.dtype, x.dtype
+    return precision.compute_dtype, precision.reduce_dtype
+
+
+class _PackedGather(torch.autograd.Function):
+    """A bucket's leaves stored split over ``dp_shard`` (evenly, one dim each): cast to the compute dtype,
+    packed into one buffer, all-gathered once, cut back into the gathered leaves. Backward: the gradients
+    cast to the reduce dtype, packed rank by rank, reduce-scattered once, all-reduced once per data axis
+    the leaves are replicated on, cut into the parts, cast to the parts' dtypes: :class:`_Unshard` for a
+    whole bucket at the price of one collective each way."""
+
+    @staticmethod
+    def forward(dims, group, replicated, compute, reduce, *parts):  # type: ignore[override]
+        w = group.size()
+        every = C._ag(torch.cat([p.to(compute).reshape(-1) for p in parts]), 0, group).view(w, -1)
+        outs, at = [], 0
+        for p, dim in zip(parts, dims, strict=True):
+            blocks = every[:, at : at + p.numel()].reshape(w, *p.shape)
+            outs.append(torch.cat(blocks.unbind(0), dim=dim))
+            at += p.numel()
+        return tuple(outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.dims, ctx.group, ctx.replicated, _compute, ctx.reduce, *parts = inputs
+        ctx.shapes = [tuple(p.shape) for p in parts]
+        ctx.dtypes = [p.dtype for p in parts]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor):  # type: ignore[override]
+        w = ctx.group.size()
+        rows = [torch.stack(g.to(ctx.reduce).chunk(w, dim=d)).reshape(w, -1) for g, d in zip(gs, ctx.dims, strict=True)]
+        mine = C._rs(torch.cat(rows, dim=1).reshape(-1), 0, ctx.group)
+        for group in ctx.replicated:
+            mine = C._ar(mine, group)
+        pieces = mine.split([math.prod(s) for s in ctx.shapes])
+        grads = [x.view(s).to(d) for x, s, d in zip(pieces, ctx.shapes, ctx.dtypes, strict=True)]
+        return (None, None, None, None, None, *grads)
+
+
+class _PackedReplicated(torch.autograd.Function):
+    """A bucket's leaves replicated over every gathered axis (norm scales): cast to the compute dtype;
+    backward: the gradients packed and all-reduced once per data axis they are replicated on."""
+
+    @staticmethod
+    def forward(replicated, compute, reduce, *parts):  # type: ignore[override]
+        return tuple(p.to(compute).view_as(p) for p in parts)  # (a view: a Function must not return its input)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.replicated, _compute, ctx.reduce, *parts = inputs
+        ctx.shapes = [tuple(p.shape) for p in parts]
+        ctx.dtypes = [p.dtype for p in parts]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor):  # type: ignore[override]
+        flat = torch.cat([g.to(ctx.reduce).reshape(-1) for g in gs])
+        for group in ctx.replicated:
+            flat = C._ar(flat, group)
+        pieces = flat.split([math.prod(s) for s in ctx.shapes])
+        return (None, None, None, *[x.view(s).to(d) for x, s, d in zip(pieces, ctx.shapes, ctx.dtypes, strict=True)])
+
+
+def per_layer_bucket(path: str) -> str:
+    """FlexShard's default bucket of a leaf: its transformer layer (``layers.<i>``), or ``rest``."""
+    parts = path.split(".")
+    return f"layers.{parts[1]}" if parts[0] == "layers" and len(parts) > 2 else "rest"
+
+
+class _Buckets:
+    """The leaves of a params view by bucket, gathered a bucket at a time (one collective per bucket and
+    kind) the first time the model reads any of its leaves."""
+
+    def __init__(self, local: Any, shardings: Any, layout: Layout, precision: MixedPrecision | None,
+                 bucket_of: Callable[[str], str]) -> None:  # fmt: skip
+        paths, xs, _ = tree.flatten_with_paths(local)
+        self.leaves = dict(zip(paths, zip(xs, tree.leaves(shardings), strict=True), strict=True))
+        self.members: dict[str, list[str]] = {}
+        for path in paths:
+            self.members.setdefault(bucket_of(path), []).append(path)
+        self.bucket_of, self.layout, self.precision = bucket_of, layout, precision
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def get(self, path: str) -> torch.Tensor:
+        if path not in self.cache:
+            self._gather(self.members[self.bucket_of(path)])
+        return self.cache[path]
+
+    def _gather(self, paths: list[str]) -> None:
+        layout = self.layout
+        units: dict[tuple[Any, ...], list[str]] = {}
+        for path in paths:
+            x, s = self.leaves[path]
+            if not isinstance(x, torch.Tensor):
+                self.cache[path] = x
+                continue
+            compute, reduce = _dtypes(path, x, self.precision)
+            stored = set(s.mesh_axes())
+            replicated = tuple(a for a in layout.data_axes() if a not in stored)
+            gathers = [a for a in s.mesh_axes() if a in GATHERED_AXES and layout.group(a) is not None]
+            dim = s.dim_of("dp_shard")
+            if gathers == ["dp_shard"] and len(s.dims[dim]) == 1 and x.is_floating_point():
+                units.setdefault(("packed", replicated, compute, reduce), []).append(path)
+            elif not gathers and replicated and x.is_floating_point():
+                units.setdefault(("replicated", replicated, compute, reduce), []).append(path)
+            else:  # anything else (split over cp or dp_replicate too; integer leaves): on its own, as before
+                self.cache[path] = gather_leaf(x, s, layout, compute_dtype=compute, reduce_dtype=reduce)
+        for key, members in units.items():
+            parts = [self.leaves[p][0] for p in members]
+            groups = tuple(layout.group(a) for a in key[-3])
+            if key[0] == "packed":
+                dims = tuple(self.leaves[p][1].dim_of("dp_shard") for p in members)
+                outs = _PackedGather.apply(dims, layout.group("dp_shard"), groups, key[-2], key[-1], *parts)
+            else:
+                outs = _PackedReplicated.apply(groups, key[-2], key[-1], *parts)
+            self.cache.update(zip(members, outs, strict=True))
+
+
 class _Gathered(Mapping[str, Any]):
-    """Read-only params view that gathers a leaf the first time the model reads it."""
+    """Read-only params view that gathers a leaf (or its bucket) the first time the model reads it."""
 
     def __init__(
         self,
@@ -158,23 +280,24 @@ class _Gathered(Mapping[str, Any]):
         layout: Layout,
         precision: MixedPrecision | None,
         prefix: str = "",
+        buckets: _Buckets | None = None,
     ) -> None:
         self._local, self._shardings, self._layout = local, shardings, layout
-        self._precision, self._prefix = precision, prefix
+        self._precision, self._prefix, self._buckets = precision, prefix, buckets
         self._memo: dict[str, Any] = {}
 
     def _leaf(self, path: str, x: torch.Tensor, s: Sharding) -> torch.Tensor:
-        p = self._precision
-        if p is None or (p.keep and p.keeps(path)):
-            return gather_leaf(x, s, self._layout)
-        return gather_leaf(x, s, self._layout, compute_dtype=p.compute_dtype, reduce_dtype=p.reduce_dtype)
+        if self._buckets is not None:
+            return self._buckets.get(path)
+        compute, reduce = _dtypes(path, x, self._precision)
+        return gather_leaf(x, s, self._layout, compute_dtype=compute, reduce_dtype=reduce)
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._memo:
             x, s = self._local[key], self._shardings[key]
             path = f"{self._prefix}{key}"
             if isinstance(x, Mapping):
-                self._memo[key] = _Gathered(x, s, self._layout, self._precision, f"{path}.")
+                self._memo[key] = _Gathered(x, s, self._layout, self._precision, f"{path}.", self._buckets)
             else:
                 self._memo[key] = self._leaf(path, x, s) if isinstance(x, torch.Tensor) else x
         return self._memo[key]
@@ -186,14 +309,33 @@ class _Gathered(Mapping[str, Any]):
         return len(self._local)
 
 
+BUCKETS = ("per_layer", "per_leaf")  # FlexShard's bucket policies for dp_shard
+
+
 def gathered(
-    local: tree.Tree, shardings: tree.Tree, layout: Layout, *, precision: MixedPrecision | None = None
+    local: tree.Tree,
+    shardings: tree.Tree,
+    layout: Layout,
+    *,
+    precision: MixedPrecision | None = None,
+    buckets: str | Callable[[str], str] = "per_layer",
 ) -> Mapping[str, Any]:
     """The params view for compute: leaves gathered lazily, layer by layer, as the model reads them.
+
+    ``buckets`` (FlexShard): ``"per_layer"`` gathers a layer's leaves stored split over ``dp_shard`` in
+    one all-gather of their packed parts (their gradients: one reduce-scatter, then one all-reduce per
+    data axis they are replicated on) and its replicated leaves' gradients in one all-reduce per axis,
+    the first time the model reads any leaf of the layer; ``"per_leaf"`` a collective per leaf; or a
+    function from a leaf's dotted path to its bucket's name. Leaves split over other gathered axes
+    (``cp``, ``dp_replicate``) are gathered on their own either way.
 
     With ``precision`` each leaf (its ``keep`` globs aside) is gathered in its ``compute_dtype`` and
     its gradient reduced in its ``reduce_dtype`` (:func:`gather_leaf`).
     """
     if not isinstance(local, Mapping):
         raise TypeError(f"gathered: params must be a dict tree, got {type(local).__name__}")
-    return _Gathered(local, shardings, layout, precision)
+    if isinstance(buckets, str) and buckets not in BUCKETS:
+        raise ValueError(f"gathered: buckets={buckets!r}; expected one of {BUCKETS} or a path -> bucket function")
+    bucket_of = per_layer_bucket if buckets == "per_layer" else None if buckets == "per_leaf" else buckets
+    packer = None if bucket_of is None else _Buckets(local, shardings, layout, precision, bucket_of)
+    return _Gathered(local, shardings, layout, precision, buckets=packer)

@@ -99,6 +99,7 @@ def make_parallel_loss(
     shardings: Any,
     *,
     precision: MixedPrecision | None = None,
+    buckets: str | Callable[[str], str] = "per_layer",
 ) -> Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """``loss_fn(params, batch)`` on local shards: ``(weighted local loss, aux)``.
 
@@ -106,14 +107,15 @@ def make_parallel_loss(
     their gradients (``aux["n_tokens"]`` gives each rank's weight). With
     ``precision`` the params view is gathered in its compute dtype and the
     gradients reduced in its reduce dtype (``parallel.gathered``); the loss
-    is returned in float32.
+    is returned in float32. ``buckets``: FlexShard's bucket policy for the
+    gathers (``parallel.gathered``: a collective per layer, or per leaf).
     """
     data_axes = layout.data_axes()
     if precision is not None and precision.is_full:
         precision = None  # float32 throughout: the step without a policy
 
     def local_loss(local_params: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, aux = loss_fn(gathered(local_params, shardings, layout, precision=precision), batch)
+        loss, aux = loss_fn(gathered(local_params, shardings, layout, precision=precision, buckets=buckets), batch)
         if precision is not None:
             loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         n_local = aux["n_tokens"]
@@ -171,6 +173,7 @@ def make_train_step(
     grad_fn: Callable[[Any], Callable[..., Any]] | None = None,
     precision: MixedPrecision | None = None,
     trainable: Trainable | None = None,
+    buckets: str | Callable[[str], str] = "per_layer",
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A train step over ``layout``: ``step(state, local_batch) -> (state, metrics)`` (see the module doc).
 
@@ -196,6 +199,10 @@ def make_train_step(
     ``ftitan.train.make_train_step``: only those leaves are differentiated, hold optimizer state
     (``init_state(..., trainable=)``) and change; the others go into the loss as constants. Not yet
     with ``grad_fn``.
+
+    ``buckets`` (FlexShard, ``parallel.gathered``): ``"per_layer"`` (default) gathers a layer's
+    dp_shard-split leaves in one all-gather and reduces their gradients in one reduce-scatter;
+    ``"per_leaf"`` a collective per leaf.
     """
     if trainable is not None and grad_fn is not None:
         raise ValueError("parallel.make_train_step: trainable= with a grad_fn (pipeline parallelism) is not supported "
@@ -216,7 +223,7 @@ def make_train_step(
             if grad_fn is not None:
                 fn = grad_fn(shardings)
             else:
-                local_loss = make_parallel_loss(loss_fn, layout, shardings, precision=precision)
+                local_loss = make_parallel_loss(loss_fn, layout, shardings, precision=precision, buckets=buckets)
                 if trainable is not None:  # the selected leaves; the rest ride along with the batch
                     full_loss = local_loss
 

@@ -143,6 +143,7 @@ class Runtime:
         update_buffers: Any,
         precision: MixedPrecision | None = None,
         trainable: Any = None,
+        buckets: str = "per_layer",
     ) -> Callable:
         if self.layout is None:
             # the loop never reads a state twice: the step writes the new one into its buffers
@@ -159,7 +160,7 @@ class Runtime:
             return parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
                                             update_buffers=update_buffers)  # fmt: skip
         return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers,
-                                        precision=precision, trainable=trainable)  # fmt: skip
+                                        precision=precision, trainable=trainable, buckets=buckets)  # fmt: skip
 
     def data_rank(self) -> tuple[int, int]:
         """``(index, count)``: which slice of each global batch's rows this rank trains on."""

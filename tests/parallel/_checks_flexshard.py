@@ -275,3 +275,40 @@ def checkpoint_check(name: str, steps: int = 2) -> dict:
 
 
 CHECKS["flexshard_checkpoint_4_to_2"] = lambda: checkpoint_check("flexshard_checkpoint_4_to_2")
+
+
+def dp_shard_buckets_check(name: str, degrees: dict[str, int], family: str = "llama") -> dict:
+    """The trainer's dp_shard path (``parallel.make_parallel_loss``) with FlexShard's per-layer buckets vs
+    per-leaf gathers: the same loss and gradients, and the collectives each calls (eager, counted)."""
+    from _checks_ep import FAMILIES
+
+    module, make_cfg = FAMILIES[family] if family != "llama" else (llama, tiny_llama)
+    model = module.model(make_cfg())
+    params = model.init(ft.random.key(0))
+    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
+    batch = batch_for(4, 16, model.config.vocab_size)
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    shardings = ft.tree.map(parallel.sharding_of, sharded)
+    out: dict = {"check": name}
+    grads = {}
+    for buckets in ("per_layer", "per_leaf"):
+        local_loss = parallel.make_parallel_loss(loss_fn, layout, shardings, buckets=buckets)
+        with parallel.use(layout), C.count_calls() as calls:
+            g, (loss, _) = ft.train.value_and_grad(local_loss, impl="autograd")(
+                parallel.to_local(sharded), parallel.shard_batch(batch, layout))  # fmt: skip
+        grads[buckets] = g
+        out[f"{buckets}_calls"] = dict(calls)
+        out[f"{buckets}_loss"] = float(loss)
+    out["grad_diff"] = _max(_diff(ft.tree.leaves(grads["per_layer"]), ft.tree.leaves(grads["per_leaf"])))
+    out["dp_shard_leaves"] = sum(1 for s in ft.tree.leaves(shardings) if "dp_shard" in s.mesh_axes())
+    out["layers"] = model.config.n_layers
+    return out
+
+
+CHECKS.update({
+    "flexshard_buckets_dp_shard2_tp2": lambda: dp_shard_buckets_check("flexshard_buckets_dp_shard2_tp2",
+                                                                      {"dp_shard": 2, "tp": 2}),
+    "flexshard_buckets_ep2_dp_shard2": lambda: dp_shard_buckets_check("flexshard_buckets_ep2_dp_shard2",
+                                                                      {"ep": 2, "dp_shard": 2}, "qwen3_moe"),
+})  # fmt: skip

@@ -70,3 +70,18 @@ def test_flexshard_state_saved_on_four_ranks_loads_resharded_on_two(parity_resul
     assert "error" not in r, r["error"]
     assert r["files"] == 4 and r["world_b"] == 2 and r["step"] == 2 and r["leaves"] > 40
     assert r["state_diff"] == 0.0 and r["next_diff"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["flexshard_buckets_dp_shard2_tp2", "flexshard_buckets_ep2_dp_shard2"])
+def test_dp_shard_runs_on_flexshard_buckets(parity_results, name):
+    """``--parallel.dp-shard`` gathers through FlexShard: per-layer buckets (the default) give the per-leaf
+    gathers' loss and gradients bit for bit, with a collective per layer (and kind: an MoE layer's experts,
+    stored over ep, form their own) instead of one per leaf; the tp / ep activation collectives are the same."""
+    r = parity_results[name]
+    assert "error" not in r, r["error"]
+    assert r["per_layer_loss"] == r["per_leaf_loss"] and r["grad_diff"] == 0.0
+    layer, leaf = r["per_layer_calls"], r["per_leaf_calls"]
+    saved = leaf["all_gather"] - layer["all_gather"]
+    assert saved >= r["dp_shard_leaves"] - 2 * (r["layers"] + 1) > 0
+    assert leaf["reduce_scatter"] - layer["reduce_scatter"] == saved
+    assert layer.get("all_to_all") == leaf.get("all_to_all") and layer["all_reduce"] < leaf["all_reduce"]
