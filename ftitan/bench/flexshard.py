@@ -108,7 +108,8 @@ def _optimizer_part(cfg: dict[str, Any], warmup: int, rounds: int) -> dict[str, 
     g = torch.Generator().manual_seed(1)
     grads = ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 1e-3, params)
     group = parallel.mesh(dp_shard=int(os.environ["WORLD_SIZE"]))["dp_shard"]
-    hidden = [p for p, x in zip(ft.tree.paths(params), ft.tree.leaves(params), strict=True) if muon_label(p, x) == "muon"]
+    paths, leaves = ft.tree.paths(params), ft.tree.leaves(params)
+    hidden = [p for p, x in zip(paths, leaves, strict=True) if muon_label(p, x) == "muon"]
     policies = {
         "fsdp": [fs.Bucket("**.*norm*", fs.Replicate(), name="norms"), *fs.per_layer(params, fs.Shard(0))],
         "flexshard": [fs.Bucket("**.*norm*", fs.Replicate(), name="norms"),

@@ -155,7 +155,8 @@ def _leaf_plan(path: str, x: Any, bucket: Bucket, world: int) -> LeafPlan:
     shape, dtype = tuple(x.shape), x.dtype
     p = bucket.placement
     if isinstance(p, Replicate) or not shape:
-        return LeafPlan(path, shape, dtype, p if shape else Replicate(), bucket.label, 0, ((0, shape[0] if shape else 0),) * world)
+        whole = ((0, shape[0] if shape else 0),) * world
+        return LeafPlan(path, shape, dtype, p if shape else Replicate(), bucket.label, 0, whole)
     if isinstance(p, Owned):  # the owner is set by plan(), once every Owned leaf is known
         return LeafPlan(path, shape, dtype, p, bucket.label, 0, ((0, 0),) * world)
     dim = p.dim % len(shape)
@@ -296,7 +297,8 @@ class Plan:
         whole = [lp for lp in self.members[bucket] if not lp.packed]
         if whole:  # every rank holds them: the identity, whose gradient is one all-reduce of them all, packed
             xs = [flat[lp.path].to(b.gather_dtype or flat[lp.path].dtype) for lp in whole]
-            out.update(zip((lp.path for lp in whole), _unflat(C.grad_all_reduce(_cat(xs), self._group()), xs), strict=True))
+            same = _unflat(C.grad_all_reduce(_cat(xs), self._group()), xs)
+            out.update(zip((lp.path for lp in whole), same, strict=True))
         return {lp.path: out[lp.path] for lp in self.members[bucket]}
 
     def gather_all(self, local: tree.Tree) -> tree.Tree:

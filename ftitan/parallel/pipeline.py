@@ -56,8 +56,9 @@ micro-batches) are summed over ``pp`` after the step, so every stage
 reports, and DeepSeek-V3's ``update_buffers`` reads, the whole model's.
 
 FSDP inside a stage: each leaf is gathered once per step (not per
-micro-batch); micro-batch gradients accumulate on the gathered weights and
-are reduce-scattered / all-reduced once, after the last backward (what
+micro-batch), a layer's leaves in one collective (FlexShard's per-layer
+buckets, ``parallel.gathered``); micro-batch gradients accumulate on the
+gathered weights and are reduce-scattered / all-reduced once, after the last backward (what
 TorchTitan does for PP with FSDP: no reshard between micro-batches).
 
 >>> grad_fn = pipeline_grad(model, layout, schedule="1f1b", n_microbatches=4)
@@ -77,7 +78,7 @@ from ftitan.models.base import Model
 from ftitan.parallel import collectives as C
 from ftitan.parallel.expert import global_stats
 from ftitan.parallel.layout import Layout, use
-from ftitan.parallel.shard import gather_leaf
+from ftitan.parallel.shard import Buckets, per_layer_bucket
 from ftitan.parallel.step import loss_share
 from ftitan.train.losses import IGNORE_INDEX, cross_entropy
 
@@ -440,11 +441,12 @@ def _step(
     model: Model, layout: Layout, shardings: Any, local_params: Any, batch: Any, actions: list[Action],
     layers: range, n_microbatches: int, chunk_size: int,
 ) -> tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]]]:  # fmt: skip
-    leaves, treedef = T.flatten(local_params)
+    paths, leaves, treedef = T.flatten_with_paths(local_params)
     diff = [x.is_floating_point() for x in leaves]
     inputs = [x.detach().requires_grad_(d) for x, d in zip(leaves, diff, strict=True)]
-    # gathered once per step (FSDP); micro-batch gradients accumulate on detached copies
-    full = [gather_leaf(x, s, layout) if d else x for x, s, d in zip(inputs, T.leaves(shardings), diff, strict=True)]
+    # gathered once per step (FSDP, FlexShard's per-layer buckets); micro-batch gradients accumulate on detached copies
+    packer = Buckets(T.unflatten(treedef, inputs), shardings, layout, None, per_layer_bucket)
+    full = [packer.get(p) if d else x for p, x, d in zip(paths, inputs, diff, strict=True)]
     compute = [f.detach().requires_grad_(d) for f, d in zip(full, diff, strict=True)]
 
     micro = _split(batch, n_microbatches)
@@ -454,7 +456,7 @@ def _step(
                     chunk_size=chunk_size, device=n_global.device)  # fmt: skip
     _execute(actions, run)
 
-    # one reduction per leaf (reduce-scatter over dp_shard, all-reduce where replicated) of the summed grads
+    # one reduction per bucket (reduce-scatter over dp_shard, all-reduce where replicated) of the summed grads
     pairs = [(f, c.grad if c.grad is not None else torch.zeros_like(c), x)
              for f, c, x, d in zip(full, compute, inputs, diff, strict=True) if d]  # fmt: skip
     reduced = iter(torch.autograd.grad([p[0] for p in pairs], [p[2] for p in pairs], [p[1] for p in pairs],

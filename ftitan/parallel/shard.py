@@ -35,7 +35,7 @@ from ftitan.parallel.rules import Rules, Sharding, check_sharded, local_slice, r
 if TYPE_CHECKING:
     from ftitan.train.precision import MixedPrecision
 
-__all__ = ["BUCKETS", "from_local", "gathered", "per_layer_bucket", "shard_params", "to_local", "unshard"]
+__all__ = ["BUCKETS", "Buckets", "from_local", "gathered", "per_layer_bucket", "shard_params", "to_local", "unshard"]
 
 # axes a weight may be stored split over but is gathered on for compute (tp / ep stay split)
 GATHERED_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
@@ -221,7 +221,7 @@ def per_layer_bucket(path: str) -> str:
     return f"layers.{parts[1]}" if parts[0] == "layers" and len(parts) > 2 else "rest"
 
 
-class _Buckets:
+class Buckets:
     """The leaves of a params view by bucket, gathered a bucket at a time (one collective per bucket and
     kind) the first time the model reads any of its leaves."""
 
@@ -280,7 +280,7 @@ class _Gathered(Mapping[str, Any]):
         layout: Layout,
         precision: MixedPrecision | None,
         prefix: str = "",
-        buckets: _Buckets | None = None,
+        buckets: Buckets | None = None,
     ) -> None:
         self._local, self._shardings, self._layout = local, shardings, layout
         self._precision, self._prefix, self._buckets = precision, prefix, buckets
@@ -337,5 +337,5 @@ def gathered(
     if isinstance(buckets, str) and buckets not in BUCKETS:
         raise ValueError(f"gathered: buckets={buckets!r}; expected one of {BUCKETS} or a path -> bucket function")
     bucket_of = per_layer_bucket if buckets == "per_layer" else None if buckets == "per_leaf" else buckets
-    packer = None if bucket_of is None else _Buckets(local, shardings, layout, precision, bucket_of)
+    packer = None if bucket_of is None else Buckets(local, shardings, layout, precision, bucket_of)
     return _Gathered(local, shardings, layout, precision, buckets=packer)
