@@ -91,6 +91,7 @@ class FlexShardConfig:
     """FlexShard, the data-parallel sharding behind --parallel.dp-shard (docs/flexshard.md)."""
 
     buckets: str = "per_layer"  # "per_layer": one all-gather / reduce-scatter per layer's dp_shard leaves; "per_leaf": one per leaf
+    quantize: str = ""  # "int8" / "fp8": those all-gathers send blockwise-quantized params (128 values a float32 scale); "": the compute dtype
 
 
 @attrs.frozen(kw_only=True)

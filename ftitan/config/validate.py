@@ -191,6 +191,15 @@ def _check_runtime(cfg: TrainConfig) -> None:
     if cfg.flexshard.buckets not in BUCKETS:
         raise _fail("--flexshard.buckets", cfg.flexshard.buckets, f"expected one of {BUCKETS} (a collective per "
                     "layer's dp_shard leaves, or per leaf)")  # fmt: skip
+    if cfg.flexshard.quantize not in ("", "int8", "fp8"):
+        raise _fail("--flexshard.quantize", cfg.flexshard.quantize, "expected 'int8', 'fp8' or '' (gathers in the "
+                    "compute dtype)")  # fmt: skip
+    if cfg.flexshard.quantize and cfg.parallel.pp > 1:
+        raise _fail("--flexshard.quantize", cfg.flexshard.quantize, "pipeline stages gather in the compute dtype "
+                    "for now: drop it under --parallel.pp > 1")  # fmt: skip
+    if cfg.flexshard.quantize and cfg.flexshard.buckets != "per_layer":
+        raise _fail("--flexshard.quantize", cfg.flexshard.quantize, "quantizes the per-layer bucketed gathers: "
+                    "use --flexshard.buckets per_layer")  # fmt: skip
     mp = cfg.mixed_precision
     for field in ("param", "compute", "reduce"):
         value = getattr(mp, field)

@@ -161,22 +161,34 @@ class _PackedGather(torch.autograd.Function):
     packed into one buffer, all-gathered once, cut back into the gathered leaves. Backward: the gradients
     cast to the reduce dtype, packed rank by rank, reduce-scattered once, all-reduced once per data axis
     the leaves are replicated on, cut into the parts, cast to the parts' dtypes: :class:`_Unshard` for a
-    whole bucket at the price of one collective each way."""
+    whole bucket at the price of one collective each way. ``quantize`` (``"int8"`` / ``"fp8"``): the parts
+    travel blockwise-quantized (``ftitan.flexshard.quant``: values and scales in one ``uint8`` buffer) and
+    arrive dequantized in the compute dtype; the backward is the same (full precision, straight through)."""
 
     @staticmethod
-    def forward(dims, group, replicated, compute, reduce, *parts):  # type: ignore[override]
+    def forward(dims, group, replicated, compute, reduce, quantize, *parts):  # type: ignore[override]
         w = group.size()
-        every = C._ag(torch.cat([p.to(compute).reshape(-1) for p in parts]), 0, group).view(w, -1)
+        if quantize is None:
+            every = C._ag(torch.cat([p.to(compute).reshape(-1) for p in parts]), 0, group).view(w, -1)
+            sizes = [p.numel() for p in parts]
+        else:
+            from ftitan.flexshard import quant
+
+            every = C._ag(torch.cat([quant.encode(p, quantize) for p in parts]), 0, group).view(w, -1)
+            sizes = [quant.encoded_bytes(p.shape, 128) for p in parts]
         outs, at = [], 0
-        for p, dim in zip(parts, dims, strict=True):
-            blocks = every[:, at : at + p.numel()].reshape(w, *p.shape)
-            outs.append(torch.cat(blocks.unbind(0), dim=dim))
-            at += p.numel()
+        for p, dim, n in zip(parts, dims, sizes, strict=True):
+            if quantize is None:
+                blocks = every[:, at : at + n].reshape(w, *p.shape).unbind(0)
+            else:
+                blocks = [quant.decode(every[r, at : at + n], p.shape, quantize, 128, compute) for r in range(w)]
+            outs.append(torch.cat(blocks, dim=dim))
+            at += n
         return tuple(outs)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dims, ctx.group, ctx.replicated, _compute, ctx.reduce, *parts = inputs
+        ctx.dims, ctx.group, ctx.replicated, _compute, ctx.reduce, _quantize, *parts = inputs
         ctx.shapes = [tuple(p.shape) for p in parts]
         ctx.dtypes = [p.dtype for p in parts]
 
@@ -189,7 +201,7 @@ class _PackedGather(torch.autograd.Function):
             mine = C._ar(mine, group)
         pieces = mine.split([math.prod(s) for s in ctx.shapes])
         grads = [x.view(s).to(d) for x, s, d in zip(pieces, ctx.shapes, ctx.dtypes, strict=True)]
-        return (None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, *grads)
 
 
 class _PackedReplicated(torch.autograd.Function):
@@ -226,13 +238,13 @@ class Buckets:
     kind) the first time the model reads any of its leaves."""
 
     def __init__(self, local: Any, shardings: Any, layout: Layout, precision: MixedPrecision | None,
-                 bucket_of: Callable[[str], str]) -> None:  # fmt: skip
+                 bucket_of: Callable[[str], str], quantize: str | None = None) -> None:  # fmt: skip
         paths, xs, _ = tree.flatten_with_paths(local)
         self.leaves = dict(zip(paths, zip(xs, tree.leaves(shardings), strict=True), strict=True))
         self.members: dict[str, list[str]] = {}
         for path in paths:
             self.members.setdefault(bucket_of(path), []).append(path)
-        self.bucket_of, self.layout, self.precision = bucket_of, layout, precision
+        self.bucket_of, self.layout, self.precision, self.quantize = bucket_of, layout, precision, quantize
         self.cache: dict[str, torch.Tensor] = {}
 
     def get(self, path: str) -> torch.Tensor:
@@ -264,7 +276,8 @@ class Buckets:
             groups = tuple(layout.group(a) for a in key[-3])
             if key[0] == "packed":
                 dims = tuple(self.leaves[p][1].dim_of("dp_shard") for p in members)
-                outs = _PackedGather.apply(dims, layout.group("dp_shard"), groups, key[-2], key[-1], *parts)
+                outs = _PackedGather.apply(dims, layout.group("dp_shard"), groups, key[-2], key[-1], self.quantize,
+                                           *parts)  # fmt: skip
             else:
                 outs = _PackedReplicated.apply(groups, key[-2], key[-1], *parts)
             self.cache.update(zip(members, outs, strict=True))
@@ -319,6 +332,7 @@ def gathered(
     *,
     precision: MixedPrecision | None = None,
     buckets: str | Callable[[str], str] = "per_layer",
+    quantize: str | None = None,
 ) -> Mapping[str, Any]:
     """The params view for compute: leaves gathered lazily, layer by layer, as the model reads them.
 
@@ -327,7 +341,9 @@ def gathered(
     data axis they are replicated on) and its replicated leaves' gradients in one all-reduce per axis,
     the first time the model reads any leaf of the layer; ``"per_leaf"`` a collective per leaf; or a
     function from a leaf's dotted path to its bucket's name. Leaves split over other gathered axes
-    (``cp``, ``dp_replicate``) are gathered on their own either way.
+    (``cp``, ``dp_replicate``) are gathered on their own either way. ``quantize`` (``"int8"`` / ``"fp8"``,
+    with bucketed gathers): a bucket's dp_shard parts travel blockwise-quantized, 128 values a scale
+    (``ftitan.flexshard.quant``); gradients stay in full precision.
 
     With ``precision`` each leaf (its ``keep`` globs aside) is gathered in its ``compute_dtype`` and
     its gradient reduced in its ``reduce_dtype`` (:func:`gather_leaf`).
@@ -337,5 +353,7 @@ def gathered(
     if isinstance(buckets, str) and buckets not in BUCKETS:
         raise ValueError(f"gathered: buckets={buckets!r}; expected one of {BUCKETS} or a path -> bucket function")
     bucket_of = per_layer_bucket if buckets == "per_layer" else None if buckets == "per_leaf" else buckets
-    packer = None if bucket_of is None else Buckets(local, shardings, layout, precision, bucket_of)
+    if quantize is not None and bucket_of is None:
+        raise ValueError(f"gathered: quantize={quantize!r} quantizes bucketed gathers; use buckets='per_layer'")
+    packer = None if bucket_of is None else Buckets(local, shardings, layout, precision, bucket_of, quantize)
     return _Gathered(local, shardings, layout, precision, buckets=packer)

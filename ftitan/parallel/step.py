@@ -100,6 +100,7 @@ def make_parallel_loss(
     *,
     precision: MixedPrecision | None = None,
     buckets: str | Callable[[str], str] = "per_layer",
+    quantize: str | None = None,
 ) -> Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """``loss_fn(params, batch)`` on local shards: ``(weighted local loss, aux)``.
 
@@ -108,14 +109,16 @@ def make_parallel_loss(
     ``precision`` the params view is gathered in its compute dtype and the
     gradients reduced in its reduce dtype (``parallel.gathered``); the loss
     is returned in float32. ``buckets``: FlexShard's bucket policy for the
-    gathers (``parallel.gathered``: a collective per layer, or per leaf).
+    gathers (``parallel.gathered``: a collective per layer, or per leaf); ``quantize``
+    its blockwise-quantized all-gathers (``"int8"`` / ``"fp8"``).
     """
     data_axes = layout.data_axes()
     if precision is not None and precision.is_full:
         precision = None  # float32 throughout: the step without a policy
 
     def local_loss(local_params: Any, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, aux = loss_fn(gathered(local_params, shardings, layout, precision=precision, buckets=buckets), batch)
+        view = gathered(local_params, shardings, layout, precision=precision, buckets=buckets, quantize=quantize)
+        loss, aux = loss_fn(view, batch)
         if precision is not None:
             loss = loss.to(torch.promote_types(loss.dtype, torch.float32))
         n_local = aux["n_tokens"]
@@ -174,6 +177,7 @@ def make_train_step(
     precision: MixedPrecision | None = None,
     trainable: Trainable | None = None,
     buckets: str | Callable[[str], str] = "per_layer",
+    quantize: str | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A train step over ``layout``: ``step(state, local_batch) -> (state, metrics)`` (see the module doc).
 
@@ -202,7 +206,8 @@ def make_train_step(
 
     ``buckets`` (FlexShard, ``parallel.gathered``): ``"per_layer"`` (default) gathers a layer's
     dp_shard-split leaves in one all-gather and reduces their gradients in one reduce-scatter;
-    ``"per_leaf"`` a collective per leaf.
+    ``"per_leaf"`` a collective per leaf. ``quantize`` (``"int8"`` / ``"fp8"``): those all-gathers send
+    blockwise-quantized parts (gradients stay in full precision).
     """
     if trainable is not None and grad_fn is not None:
         raise ValueError("parallel.make_train_step: trainable= with a grad_fn (pipeline parallelism) is not supported "
@@ -223,7 +228,8 @@ def make_train_step(
             if grad_fn is not None:
                 fn = grad_fn(shardings)
             else:
-                local_loss = make_parallel_loss(loss_fn, layout, shardings, precision=precision, buckets=buckets)
+                local_loss = make_parallel_loss(loss_fn, layout, shardings, precision=precision, buckets=buckets,
+                                                quantize=quantize)  # fmt: skip
                 if trainable is not None:  # the selected leaves; the rest ride along with the batch
                     full_loss = local_loss
 

@@ -144,6 +144,7 @@ class Runtime:
         precision: MixedPrecision | None = None,
         trainable: Any = None,
         buckets: str = "per_layer",
+        quantize: str | None = None,
     ) -> Callable:
         if self.layout is None:
             # the loop never reads a state twice: the step writes the new one into its buffers
@@ -160,7 +161,8 @@ class Runtime:
             return parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
                                             update_buffers=update_buffers)  # fmt: skip
         return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers,
-                                        precision=precision, trainable=trainable, buckets=buckets)  # fmt: skip
+                                        precision=precision, trainable=trainable, buckets=buckets,
+                                        quantize=quantize)  # fmt: skip
 
     def data_rank(self) -> tuple[int, int]:
         """``(index, count)``: which slice of each global batch's rows this rank trains on."""
