@@ -90,7 +90,7 @@ class Bucket:
     placement: Placement = Shard(0)
     gather_dtype: torch.dtype | None = None
     quantize: str | None = None  # "int8" / "fp8": the all-gather sends blockwise-quantized parts (quant.encode)
-    quant_block: quant.Block = 128  # values of a row per scale, or (rows, cols) tiles
+    quant_block: quant.Block = quant.BLOCK  # values of a row per scale, or (rows, cols) tiles
     name: str = ""  # default: the first pattern
 
     def __attrs_post_init__(self) -> None:

@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FORMATS", "Block", "decode", "dequantize", "encode", "encoded_bytes", "error_bound", "n_scales", "quantize"]
+__all__ = ["BLOCK", "FORMATS", "Block", "decode", "dequantize", "encode", "encoded_bytes", "error_bound", "n_scales", "quantize"]
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS: dict[str, tuple[torch.dtype, float]] = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
 Block = int | tuple[int, int]  # values of a row per block, or (rows, cols) tiles of the last two dims
+BLOCK = 128  # the default: 128 values of a row per scale
 
 
 def _check(fmt: str, block: Block) -> tuple[int, int]:
@@ -43,6 +44,19 @@ def _tiles(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return x2.reshape(*x2.shape[:-2], (m + pm) // rows, rows, (n + pn) // cols, cols)
 
 
+def _untile(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """:func:`_tiles`' inverse: (..., R, rows, C, cols) tiles back to a tensor of ``shape`` (padding cut)."""
+    m, n = (1, math.prod(shape)) if len(shape) < 2 else (shape[-2], shape[-1])
+    whole = t.reshape(*t.shape[:-4], t.shape[-4] * t.shape[-3], t.shape[-2] * t.shape[-1])
+    return whole[..., :m, :n].reshape(tuple(shape))
+
+
+def _scales(t: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax, scale)`` of each tile of ``t`` (broadcastable to it): ``amax / qmax``, 1 for an all-zero tile."""
+    amax = t.abs().amax(dim=(-3, -1), keepdim=True)
+    return amax, torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
 def n_scales(shape: Sequence[int], block: Block) -> int:
     """How many blocks (scales) a tensor of ``shape`` has."""
     rows, cols = (1, block) if isinstance(block, int) else block
@@ -50,32 +64,28 @@ def n_scales(shape: Sequence[int], block: Block) -> int:
     return math.prod(shape[:-2]) * -(-shape[-2] // rows) * -(-shape[-1] // cols)
 
 
-def quantize(x: torch.Tensor, fmt: str, block: Block = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)``: ``x``'s values in ``fmt`` (``x``'s shape) and one float32 scale per block
     (``(n_scales,)``). An all-zero block gets scale 1 (its values stay 0)."""
     rows, cols = _check(fmt, block)
     dtype, qmax = FORMATS[fmt]
     t = _tiles(x.detach().float(), rows, cols)
-    amax = t.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    _, scale = _scales(t, qmax)
     y = t / scale
     q = y.round().clamp(-qmax, qmax).to(dtype) if fmt == "int8" else y.clamp(-qmax, qmax).to(dtype)
-    m, n = (1, x.numel()) if x.ndim < 2 else (x.shape[-2], x.shape[-1])
-    q = q.reshape(*q.shape[:-4], q.shape[-4] * rows, q.shape[-2] * cols)[..., :m, :n].reshape(x.shape)
-    return q, scale.reshape(-1)
+    return _untile(q, x.shape), scale.reshape(-1)
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, block: Block = 128, dtype: torch.dtype = torch.float32
+def dequantize(q: torch.Tensor, scales: torch.Tensor, block: Block = BLOCK, dtype: torch.dtype = torch.float32
                ) -> torch.Tensor:  # fmt: skip
     """:func:`quantize`'s inverse up to rounding: ``values * scale`` of each block, in ``dtype``."""
     rows, cols = (1, block) if isinstance(block, int) else block
     t = _tiles(q.float(), rows, cols)
     y = t * scales.reshape(*t.shape[:-4], t.shape[-4], 1, t.shape[-2], 1)
-    m, n = (1, q.numel()) if q.ndim < 2 else (q.shape[-2], q.shape[-1])
-    return y.reshape(*y.shape[:-4], y.shape[-4] * rows, y.shape[-2] * cols)[..., :m, :n].reshape(q.shape).to(dtype)
+    return _untile(y, q.shape).to(dtype)
 
 
-def error_bound(x: torch.Tensor, fmt: str, block: Block = 128) -> torch.Tensor:
+def error_bound(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> torch.Tensor:
     """The largest error :func:`quantize` then :func:`dequantize` may make on each value of ``x``: half a
     step of its block's grid (int8: ``scale / 2``; e4m3: ``2 ** -4`` of the value, at least the smallest
     subnormal step's half, ``2 ** -10 * scale``), plus ``2 ** -20`` of the block's amax (the float32
@@ -83,13 +93,10 @@ def error_bound(x: torch.Tensor, fmt: str, block: Block = 128) -> torch.Tensor:
     rows, cols = _check(fmt, block)
     _, qmax = FORMATS[fmt]
     t = _tiles(x.detach().float(), rows, cols)
-    amax = t.abs().amax(dim=(-3, -1), keepdim=True)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax)).expand_as(t)
+    amax, scale = _scales(t, qmax)
     bound = scale / 2 if fmt == "int8" else torch.maximum(t.abs() * 2.0**-4, scale * 2.0**-10)
     bound = bound + amax * 2.0**-20  # the float32 rounding of the division and the product: a few ulps of amax
-    m, n = (1, x.numel()) if x.ndim < 2 else (x.shape[-2], x.shape[-1])
-    return bound.reshape(*bound.shape[:-4], bound.shape[-4] * rows, bound.shape[-2] * cols)[..., :m, :n].reshape(
-        x.shape)  # fmt: skip
+    return _untile(bound.expand_as(t), x.shape)
 
 
 def encoded_bytes(shape: Sequence[int], block: Block) -> int:
@@ -97,7 +104,7 @@ def encoded_bytes(shape: Sequence[int], block: Block) -> int:
     return math.prod(shape) + 4 * n_scales(shape, block) if math.prod(shape) else 0
 
 
-def encode(x: torch.Tensor, fmt: str, block: Block = 128) -> torch.Tensor:
+def encode(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> torch.Tensor:
     """``x`` quantized, as one flat ``uint8`` buffer: its values' bytes, then its scales' (float32)."""
     if not x.numel():
         return torch.zeros(0, dtype=torch.uint8, device=x.device)
@@ -105,7 +112,7 @@ def encode(x: torch.Tensor, fmt: str, block: Block = 128) -> torch.Tensor:
     return torch.cat([q.reshape(-1).view(torch.uint8), scales.view(torch.uint8)])
 
 
-def decode(buf: torch.Tensor, shape: Sequence[int], fmt: str, block: Block = 128,
+def decode(buf: torch.Tensor, shape: Sequence[int], fmt: str, block: Block = BLOCK,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """:func:`encode`'s buffer (of a tensor of ``shape``) back to values in ``dtype``."""
     n = math.prod(shape)

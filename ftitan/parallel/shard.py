@@ -175,13 +175,13 @@ class _PackedGather(torch.autograd.Function):
             from ftitan.flexshard import quant
 
             every = C._ag(torch.cat([quant.encode(p, quantize) for p in parts]), 0, group).view(w, -1)
-            sizes = [quant.encoded_bytes(p.shape, 128) for p in parts]
+            sizes = [quant.encoded_bytes(p.shape, quant.BLOCK) for p in parts]
         outs, at = [], 0
         for p, dim, n in zip(parts, dims, sizes, strict=True):
             if quantize is None:
                 blocks = every[:, at : at + n].reshape(w, *p.shape).unbind(0)
             else:
-                blocks = [quant.decode(every[r, at : at + n], p.shape, quantize, 128, compute) for r in range(w)]
+                blocks = [quant.decode(every[r, at : at + n], p.shape, quantize, quant.BLOCK, compute) for r in range(w)]
             outs.append(torch.cat(blocks, dim=dim))
             at += n
         return tuple(outs)
