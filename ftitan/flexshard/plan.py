@@ -538,8 +538,10 @@ def per_layer(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtyp
     """The default policy: one bucket per transformer layer (``layers.<i>.**``, gathered as the forward
     reaches it) and one for every other leaf (embeddings, final norm, head; ``rest``: its placement,
     default ``placement``); ``gather_dtype`` and ``quantize`` as in :class:`Bucket`, for every bucket."""
-    layers = sorted({p.split(".")[1] for p in tree.paths(params) if p.startswith("layers.")}, key=_layer_key)
-    out = [Bucket(f"layers.{i}.**", placement, gather_dtype, quantize) for i in layers]
+    from ftitan.parallel.shard import per_layer_bucket  # the trainer's per-layer buckets: one idea of a layer
+
+    layers = sorted({per_layer_bucket(p) for p in tree.paths(params)} - {"rest"}, key=_layer_key)
+    out = [Bucket(f"{name}.**", placement, gather_dtype, quantize) for name in layers]
     return [*out, Bucket("**", placement if rest is None else rest, gather_dtype, quantize, name="rest")]
 
 
@@ -549,7 +551,8 @@ def per_leaf(params: tree.Tree, placement: Placement = Shard(0), *, gather_dtype
     return [Bucket(_escape(p), placement, gather_dtype, quantize, name=p) for p in tree.paths(params)]
 
 
-def _layer_key(i: str) -> tuple[int, str]:
+def _layer_key(name: str) -> tuple[int, str]:  # "layers.<i>" in numeric order
+    i = name.split(".", 1)[1]
     return (int(i), "") if i.isdigit() else (1 << 30, i)
 
 
