@@ -23,7 +23,15 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from ftitan.config.schema import DataConfig, MixedPrecisionConfig, OptimConfig, ParallelConfig, RLConfig, TrainConfig
+from ftitan.config.schema import (
+    DataConfig,
+    FlexShardConfig,
+    MixedPrecisionConfig,
+    OptimConfig,
+    ParallelConfig,
+    RLConfig,
+    TrainConfig,
+)
 from ftitan.config.transforms import compose, with_dim, with_layers, with_max_seq_len, with_vocab
 from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
 
@@ -39,6 +47,8 @@ __all__ = [
     "llama3_debug",
     "llama3_debug_fsdp_tp",
     "llama3_debug_muon",
+    "llama3_debug_muon_fsdp",
+    "kimi_k2_debug_muon_fsdp",
     "qwen3_debug",
     "qwen3_moe_debug",
     "recipe",
@@ -100,6 +110,21 @@ def llama3_debug_muon() -> TrainConfig:
     """``llama3-debug`` with Muon on hidden matrices (AdamW on the rest)."""
     base = llama3_debug()
     return attrs.evolve(base, optim=attrs.evolve(base.optim, name="muon"))
+
+
+@recipe("llama3-debug-muon-fsdp")
+def llama3_debug_muon_fsdp() -> TrainConfig:
+    """``llama3-debug-muon`` on 4 processes, FSDP only (dp_shard 4) on FlexShard: per-layer buckets gathered
+    as int8 (blockwise, 128 values a scale), distributed Muon (each matrix orthogonalized by one rank), per
+    head on the attention projections.
+
+    ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe llama3-debug-muon-fsdp``
+    """
+    base = llama3_debug_muon()
+    # eager: 4 inductor compiles sharing 2 cores take longer than this run
+    return attrs.evolve(base, parallel=ParallelConfig(dp_shard=4), compile=False,
+                        optim=attrs.evolve(base.optim, muon_blocks="heads"),
+                        flexshard=FlexShardConfig(quantize="int8", muon="distributed"))  # fmt: skip
 
 
 @recipe("llama3-debug-fsdp-tp")
@@ -184,6 +209,21 @@ def deepseek_v3_debug_ep() -> TrainConfig:
     ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe deepseek-v3-debug-ep``
     """
     return attrs.evolve(deepseek_v3_debug(), parallel=ParallelConfig(ep=2, dp_shard=2), compile=False)
+
+
+@recipe("kimi-k2-debug-muon-fsdp")
+def kimi_k2_debug_muon_fsdp() -> TrainConfig:
+    """Kimi K2's recipe at debug size: ``kimi-k2-debug`` trained with Muon (Moonlight's update scale) on 4
+    processes, FSDP only, on FlexShard's block placement: each dp_shard rank stores whole heads of the MLA
+    projections and whole experts, so per-head Muon on MLA and per-expert Muon run where the blocks are, with
+    no communication; the other matrices are orthogonalized by one owner rank each.
+
+    ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe kimi-k2-debug-muon-fsdp``
+    """
+    base = kimi_k2_debug()
+    return attrs.evolve(base, parallel=ParallelConfig(dp_shard=4), compile=False,
+                        optim=attrs.evolve(base.optim, name="muon", muon_blocks="heads"),
+                        flexshard=FlexShardConfig(placement="block", muon="distributed"))  # fmt: skip
 
 
 @recipe("dpo-debug")

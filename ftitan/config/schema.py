@@ -42,6 +42,7 @@ class OptimConfig:
     clip: float = 1.0  # global-norm gradient clipping (0 disables it)
     nonfinite: str = "skip"  # NaN/inf gradients: "skip" the update, "stop" the run, or "off" (apply them)
     max_nonfinite: int = 3  # under "skip": this many non-finite steps in a row stop the run
+    muon_blocks: str = ""  # --optim.name muon: "heads" orthogonalizes attention projections per head (each head's rows of q/k/v, columns of o; MLA's up-projections); "": whole matrices (expert stacks are per expert either way)
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +93,8 @@ class FlexShardConfig:
 
     buckets: str = "per_layer"  # "per_layer": one all-gather / reduce-scatter per layer's dp_shard leaves; "per_leaf": one per leaf
     quantize: str = ""  # "int8" / "fp8": those all-gathers send blockwise-quantized params (128 values a float32 scale); "": the compute dtype
+    muon: str = "distributed"  # --optim.name muon under dp_shard / tp: "distributed" (each matrix orthogonalized by one owner rank, or per block where each rank holds whole blocks) or "gather" (every rank gathers and orthogonalizes every matrix: FSDP-only Muon)
+    placement: str = "shard"  # "shard": dp_shard splits each weight's model dim (rows of embed); "block": whole heads (when tp is 1) and whole experts (when ep is 1) per dp_shard rank, so per-head / per-expert Muon needs no communication
 
 
 @attrs.frozen(kw_only=True)

@@ -194,6 +194,18 @@ def _check_runtime(cfg: TrainConfig) -> None:
     if cfg.flexshard.quantize not in ("", "int8", "fp8"):
         raise _fail("--flexshard.quantize", cfg.flexshard.quantize, "expected 'int8', 'fp8' or '' (gathers in the "
                     "compute dtype)")  # fmt: skip
+    if cfg.flexshard.muon not in ("distributed", "gather"):
+        raise _fail("--flexshard.muon", cfg.flexshard.muon, "expected 'distributed' (Newton-Schulz on each matrix's "
+                    "owner rank) or 'gather' (every rank orthogonalizes every matrix)")  # fmt: skip
+    if cfg.flexshard.placement not in ("shard", "block"):
+        raise _fail("--flexshard.placement", cfg.flexshard.placement, "expected 'shard' (rows of each weight's model "
+                    "dim) or 'block' (whole heads and experts per dp_shard rank)")  # fmt: skip
+    if cfg.optim.muon_blocks not in ("", "heads"):
+        raise _fail("--optim.muon-blocks", cfg.optim.muon_blocks, "expected 'heads' (per-head Muon on attention "
+                    "projections) or '' (whole matrices)")  # fmt: skip
+    if cfg.optim.muon_blocks and cfg.optim.name != "muon":
+        raise _fail("--optim.muon-blocks", cfg.optim.muon_blocks, f"applies to Muon, and --optim.name is "
+                    f"{cfg.optim.name!r}; add --optim.name muon or drop it")  # fmt: skip
     if cfg.flexshard.quantize and cfg.parallel.pp > 1:
         raise _fail("--flexshard.quantize", cfg.flexshard.quantize, "pipeline stages gather in the compute dtype "
                     "for now: drop it under --parallel.pp > 1")  # fmt: skip

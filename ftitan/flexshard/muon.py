@@ -32,13 +32,12 @@ from ftitan.optim.muon import (
     MuonState,
     NesterovStyle,
     ShapeScaling,
-    newton_schulz_input,
     as_matrices,
     block_of,
     check_arguments,
-    from_matrices,
-    muon_shape_scale,
+    momentum_step,
     orthogonalize,
+    scaled_update,
 )
 from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.muon_adamw import muon_with_adamw as _muon_with_adamw
@@ -97,12 +96,9 @@ def scale_by_muon(
         del params
         paths, gs, treedef = tree.flatten_with_paths(grads)
         count = None if state.count is None else state.count + 1
-        new_bufs, mats, kinds = [], [], []
-        for path, g, buf in zip(paths, gs, tree.leaves(state.momentum), strict=True):
-            g32 = g.to(buf.dtype)
-            buf = torch.lerp(buf, g32, 1.0 - momentum)
-            new_bufs.append(buf)
-            x = newton_schulz_input(g32, buf, momentum, nesterov, nesterov_style, count)
+        new_bufs, inputs = momentum_step(gs, tree.leaves(state.momentum), momentum, nesterov, nesterov_style, count)
+        mats, kinds = [], []
+        for path, x in zip(paths, inputs, strict=True):
             kind = local_kind(plan, path, blocks)
             whole = plan.gather_leaf(x, path) if kind == "gather" else x
             block = block_of(path, blocks)
@@ -116,8 +112,7 @@ def scale_by_muon(
             if not g.numel():
                 outputs.append(torch.zeros_like(g))
                 continue
-            u = from_matrices(o.to(g.dtype) * muon_shape_scale(o.shape[-2], o.shape[-1], shape_scaling),
-                                shape, block)  # fmt: skip
+            u = scaled_update(o, g.dtype, shape, block, shape_scaling)
             if kind == "gather":  # this rank's rows of the whole matrix's update
                 lp = plan.leaves[path]
                 lo, hi = lp.rows[plan.rank]

@@ -3,12 +3,15 @@ behind the non-finite guard."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ftitan.optim.adam import adamw
 from ftitan.optim.clipping import clip_by_global_norm
 from ftitan.optim.finite import apply_if_finite
 from ftitan.optim.frozen import freeze
+from ftitan.optim.muon import muon as muon_transform
 from ftitan.optim.muon_adamw import muon_with_adamw
 from ftitan.optim.schedules import linear_warmup, warmup_cosine, warmup_stable_decay
 from ftitan.optim.transform import Transform, chain
@@ -19,11 +22,15 @@ if TYPE_CHECKING:
 __all__ = ["from_config", "guard_nonfinite"]
 
 
-def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, ...] = ()) -> Transform:
+def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, ...] = (), layout: Any = None,
+                blocks: Mapping[str, tuple[int, int]] | None = None, muon: str = "distributed") -> Transform:  # fmt: skip
     """The optimizer ``o`` describes for a run of ``steps`` steps over ``params`` (shapes route Muon).
 
     ``frozen`` (a model's ``frozen`` globs) are left unchanged by the optimizer. The whole chain sits
     behind :func:`guard_nonfinite` (``o.nonfinite``), so its state is an ``ApplyIfFiniteState``.
+    Muon: ``blocks`` as in :func:`ftitan.optim.muon` (per head); under a parallel ``layout`` (DTensor params)
+    ``muon="distributed"`` orthogonalizes each matrix on one rank (``ftitan.flexshard.mesh_muon``),
+    ``"gather"`` on every rank (DTensor algebra gathers every matrix).
     """
     final = o.lr * o.final_lr_fraction
     if o.schedule == "cosine":
@@ -33,8 +40,13 @@ def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, .
     else:
         lr = linear_warmup(o.lr, o.warmup)
     if o.name == "muon":
+        impl: Any = muon_transform
+        if layout is not None and muon == "distributed":
+            from ftitan.flexshard.mesh_muon import mesh_muon
+
+            impl = functools.partial(mesh_muon, layout)
         inner = muon_with_adamw(params, lr=lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                                shape_scaling="match_rms_adamw")  # fmt: skip
+                                shape_scaling="match_rms_adamw", blocks=blocks, muon_impl=impl)  # fmt: skip
     else:
         inner = adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
     if frozen:

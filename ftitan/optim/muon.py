@@ -39,11 +39,13 @@ __all__ = [
     "block_of",
     "check_arguments",
     "from_matrices",
+    "momentum_step",
     "muon",
     "muon_shape_scale",
     "newton_schulz_input",
     "orthogonalize",
     "scale_by_muon",
+    "scaled_update",
 ]
 
 ShapeScaling = Literal["original", "match_rms_adamw"]
@@ -82,6 +84,40 @@ def newton_schulz_input(
     if not nesterov:
         return buf / bc(count)
     return momentum * (buf / bc(count + 1)) + (1.0 - momentum) * (g / bc(count))
+
+
+def momentum_step(
+    gs: Sequence[torch.Tensor],
+    bufs: Sequence[torch.Tensor],
+    momentum: float,
+    nesterov: bool,
+    style: NesterovStyle,
+    count: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Muon's elementwise half, leaf by leaf: ``(new buffers, Newton-Schulz inputs)`` from the gradients
+    and the buffers (``B = lerp(B, g, 1 - mu)``, then :func:`newton_schulz_input`), in the buffers' dtype.
+    Elementwise, so it runs as well on any part of a leaf (a rank's shard) as on the whole."""
+    new_bufs, inputs = [], []
+    for g, buf in zip(gs, bufs, strict=True):
+        g32 = g.to(buf.dtype)
+        buf = torch.lerp(buf, g32, 1.0 - momentum)
+        new_bufs.append(buf)
+        inputs.append(newton_schulz_input(g32, buf, momentum, nesterov, style, count))
+    return new_bufs, inputs
+
+
+def scaled_update(
+    ortho: torch.Tensor,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    block: tuple[int, int] | None,
+    shape_scaling: ShapeScaling,
+) -> torch.Tensor:
+    """The update of one leaf from its orthogonalized matrices ``ortho`` (:func:`as_matrices` of it): cast
+    to ``dtype`` (before scaling: scaling in bf16 would round a second time), times each matrix's
+    :func:`muon_shape_scale`, back in ``shape``."""
+    scale = muon_shape_scale(ortho.shape[-2], ortho.shape[-1], shape_scaling)
+    return from_matrices(ortho.to(dtype) * scale, shape, block)
 
 
 def muon_shape_scale(rows: int, cols: int, shape_scaling: ShapeScaling = "original") -> float:
@@ -212,26 +248,17 @@ def scale_by_muon(
     def update(grads: Updates, state: MuonState, params: Params | None = None) -> tuple[Updates, MuonState]:
         del params
         paths, gs, treedef = tree.flatten_with_paths(grads)
-        bufs = tree.leaves(state.momentum)
-        count = None if state.count is None else state.count + 1
-        new_bufs, inputs = [], []
-        for path, g, buf in zip(paths, gs, bufs, strict=True):
+        for path, g in zip(paths, gs, strict=True):
             if g.ndim < 2:
                 raise ValueError(f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(g.shape)}")
-            g32 = g.to(buf.dtype)
-            buf = torch.lerp(buf, g32, 1.0 - momentum)
-            new_bufs.append(buf)
-            inputs.append(newton_schulz_input(g32, buf, momentum, nesterov, nesterov_style, count))
+        count = None if state.count is None else state.count + 1
+        new_bufs, inputs = momentum_step(gs, tree.leaves(state.momentum), momentum, nesterov, nesterov_style, count)
 
         # matrices (or blocks) of one shape, across leaves, orthogonalized in one call
         kinds = [block_of(path, blocks) for path in paths]
         mats = [as_matrices(x, b, path) for path, x, b in zip(paths, inputs, kinds, strict=True)]
         ortho = orthogonalize(mats, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
-        outputs = []
-        for o, g, b in zip(ortho, gs, kinds, strict=True):
-            # cast before scaling: scaling in bf16 would round a second time
-            outputs.append(from_matrices(o.to(g.dtype) * muon_shape_scale(o.shape[-2], o.shape[-1], shape_scaling),
-                                         g.shape, b))  # fmt: skip
+        outputs = [scaled_update(o, g.dtype, g.shape, b, shape_scaling) for o, g, b in zip(ortho, gs, kinds, strict=True)]
         new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum), new_bufs), count=count)
         return tree.unflatten(treedef, outputs), new_state
 

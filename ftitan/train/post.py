@@ -47,12 +47,17 @@ def trainable_of(cfg: TrainConfig) -> str | None:
     return lora.TRAINABLE if cfg.lora.rank else None
 
 
-def optimizer_of(cfg: TrainConfig, model: Model, shapes: Any) -> optim.Transform:
+def optimizer_of(cfg: TrainConfig, model: Model, shapes: Any, layout: Any = None) -> optim.Transform:
     """``--optim.*`` over the trained leaves (Muon routes by their shapes); a model's frozen leaves
-    (DeepSeek-V3's routing bias) are left unchanged."""
+    (DeepSeek-V3's routing bias) are left unchanged. Muon under a parallel ``layout``: FlexShard's
+    distributed Newton-Schulz (``--flexshard.muon``); ``--optim.muon-blocks heads``: per head."""
+    from ftitan.flexshard.mesh_muon import head_blocks
+
     trainable = trainable_of(cfg)
     over = shapes if trainable is None else subset(trainable, shapes)
-    return optim.from_config(cfg.optim, cfg.steps, over, frozen=model.frozen)
+    blocks = head_blocks(model) if cfg.optim.muon_blocks == "heads" else None
+    return optim.from_config(cfg.optim, cfg.steps, over, frozen=model.frozen, layout=layout, blocks=blocks,
+                             muon=cfg.flexshard.muon)  # fmt: skip
 
 
 

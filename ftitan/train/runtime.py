@@ -91,6 +91,16 @@ class Runtime:
     def pp(self) -> int:
         return 1 if self.layout is None else self.layout.sizes["pp"]
 
+    def use_placement(self, placement: str, model: Model) -> None:
+        """FlexShard's storage placement for ``model``'s weights (``--flexshard.placement``): ``"shard"`` (the
+        rules as they are: dp_shard splits each weight's model dim) or ``"block"`` (whole heads and experts
+        per dp_shard rank, ``ftitan.flexshard.mesh_muon.block_rules``). Before any params are placed."""
+        if self.layout is None or placement == "shard":
+            return
+        from ftitan.flexshard.mesh_muon import block_rules
+
+        self.layout = parallel.Layout(self.layout.mesh, block_rules(self.layout.rules, model, self.layout.sizes))
+
     def place(self, params: Any, model: Model) -> Any:
         """``params`` (full, e.g. a single-process tree) as this rank holds them: its stage, split by the rules."""
         if self.layout is None:

@@ -154,8 +154,9 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool) -
     prepared = _data(cfg, rt, run, resume=resume, overwrite=overwrite)
 
     model = post.model_of(cfg)  # the family's model; with --lora.rank, with adapters (only they are trained)
+    rt.use_placement(cfg.flexshard.placement, model)  # FlexShard's storage of the weights over dp_shard
     shapes = model.init(random.key(cfg.seed), device="meta")  # the whole model's shapes; allocates nothing
-    opt, trainable = post.optimizer_of(cfg, model, shapes), post.trainable_of(cfg)
+    opt, trainable = post.optimizer_of(cfg, model, shapes, rt.layout), post.trainable_of(cfg)
     loss_fn = post.loss_of(cfg, model)  # next-token loss (pretraining, SFT), or DPO
     mp = cfg.mixed_precision
     precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)

@@ -64,6 +64,10 @@ CASES = [
     (dict(parallel__pp_schedule="zero-bubble"), "--parallel.pp-schedule"),
     (dict(parallel__pp_microbatches=-1), "--parallel.pp-microbatches"),
     (dict(parallel__backend="mpi"), "--parallel.backend"),
+    (dict(flexshard__muon="allgather"), "--flexshard.muon"),
+    (dict(flexshard__placement="owned"), "--flexshard.placement"),
+    (dict(optim__name="muon", optim__muon_blocks="experts"), "--optim.muon-blocks"),
+    (dict(optim__muon_blocks="heads"), "--optim.muon-blocks"),  # AdamW has no blocks
 ]
 
 

@@ -340,3 +340,152 @@ def trainer_quantized_check(name: str, steps: int = 30) -> dict:
 
 
 CHECKS["flexshard_trainer_int8_dp4"] = lambda: trainer_quantized_check("flexshard_trainer_int8_dp4")
+
+
+def mesh_muon_check(name: str, degrees: dict[str, int], family: str = "llama", placement: str = "shard",
+                    steps: int = 3) -> dict:  # fmt: skip
+    """The trainer's distributed Muon (``flexshard.mesh_muon_with_adamw`` on DTensor state) against
+    single-process ``muon_with_adamw`` with the same per-head ``blocks``, fed the same gradients (Newton-Schulz
+    in fp32); and the trainer's former FSDP-only Muon (``ft.optim`` on DTensors: every rank orthogonalizes
+    every matrix) as the baseline of the collectives."""
+    from _checks_ep import FAMILIES
+
+    from ftitan.flexshard import mesh_muon as mm
+
+    module, make_cfg = FAMILIES[family] if family != "llama" else (llama, tiny_llama)
+    model = module.model(make_cfg())
+    params = model.init(ft.random.key(0))
+    blocks = mm.head_blocks(model)
+    g = torch.Generator().manual_seed(5)
+    grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 0.01, params) for _ in range(steps)]
+    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=blocks)
+    opt = ft.optim.muon_with_adamw(params, **kw)
+    state, ref = opt.init(params), params
+    for gr in grads:
+        updates, state = opt.update(gr, state, ref)
+        ref = ft.optim.apply_updates(ref, updates)
+
+    rules = mm.block_rules(parallel.default_rules(), model, degrees) if placement == "block" else None
+    layout = parallel.Layout(parallel.mesh(**degrees), rules)
+    place = lambda t: parallel.shard_params(t, model.param_axes, layout.rules, layout)  # noqa: E731
+    sharded = place(params)
+    dopt = mm.mesh_muon_with_adamw(layout, sharded, **kw)
+    dstate = dopt.init(sharded)
+    with C.count_calls() as calls:
+        for gr in grads:
+            updates, dstate = dopt.update(place(gr), dstate, sharded)
+            sharded = ft.optim.apply_updates(sharded, updates)
+    final = parallel.unshard(sharded)
+    paths, leaves = ft.tree.paths(params), ft.tree.leaves(place(params))
+    muon_paths = [p for p, x in zip(paths, ft.tree.leaves(params), strict=True) if ft.optim.muon_label(p, x) == "muon"]
+    kinds = {p: mm.muon_kind(x, p, blocks) for p, x in zip(paths, leaves, strict=True) if p in muon_paths}
+    diffs = {p: float((a - b).abs().max()) for p, a, b in zip(paths, ft.tree.leaves(final), ft.tree.leaves(ref),
+                                                              strict=True)}  # fmt: skip
+    return {"check": name, "calls_per_step": {k: v / steps for k, v in calls.items()},
+            "local": sorted(p for p, k in kinds.items() if k == "local"),
+            "owned": sorted(p for p, k in kinds.items() if k == "owned"),
+            "blocks": {k: list(v) for k, v in blocks.items()},
+            "diff": _max(max(diffs.values())), "muon_diff": _max(max(diffs[p] for p in muon_paths)),
+            "moved": _max(max_diff_of(ref, params))}  # fmt: skip
+
+
+def max_diff_of(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b), strict=True))
+
+
+def mesh_muon_train_check(name: str, steps: int = 12) -> dict:
+    """``parallel.make_train_step`` on 4 dp_shard ranks with distributed Muon and int8 gathers (what
+    ``ftitan train --recipe llama3-debug-muon-fsdp`` runs) against the single-process Muon step: losses."""
+    from ftitan.flexshard import mesh_muon as mm
+
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
+    batch = batch_for(8, 32, 256)
+    kw = dict(lr=0.02, adamw_lr=3e-3, shape_scaling="original", blocks=mm.head_blocks(model))
+    opt = ft.optim.muon_with_adamw(params, **kw)
+    ref_step, state, ref = ft.train.make_train_step(loss_fn, opt), ft.train.init_state(params, opt), []
+    for _ in range(steps):
+        state, m = ref_step(state, batch)
+        ref.append(float(m["loss"]))
+    layout = parallel.Layout(parallel.mesh(dp_shard=4))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    out: dict = {"check": name, "ref": ref}
+    for label, quantize in (("fp32", None), ("int8", "int8")):
+        dopt = mm.mesh_muon_with_adamw(layout, sharded, **kw)
+        step = parallel.make_train_step(loss_fn, dopt, layout, quantize=quantize)
+        pstate, losses = ft.train.init_state(sharded, dopt), []
+        for _ in range(steps):
+            pstate, m = step(pstate, parallel.shard_batch(batch, layout))
+            losses.append(float(m["loss"]))
+        out[label] = losses
+    return out
+
+
+CHECKS.update({
+    "mesh_muon_dp_shard4": lambda: mesh_muon_check("mesh_muon_dp_shard4", {"dp_shard": 4}),
+    "mesh_muon_dp_shard2_tp2": lambda: mesh_muon_check("mesh_muon_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
+    "mesh_muon_block_dp_shard4": lambda: mesh_muon_check("mesh_muon_block_dp_shard4", {"dp_shard": 4},
+                                                         placement="block"),
+    "mesh_muon_block_deepseek_dp_shard4": lambda: mesh_muon_check(
+        "mesh_muon_block_deepseek_dp_shard4", {"dp_shard": 4}, "deepseek_v3", "block"),
+    "mesh_muon_train_dp_shard4": lambda: mesh_muon_train_check("mesh_muon_train_dp_shard4"),
+})  # fmt: skip
+
+
+def mesh_muon_checkpoint_check(name: str, steps: int = 2) -> dict:
+    """The trainer's Muon state (DTensor params and momentum, distributed Muon) saved from dp_shard 4 with
+    whole heads per rank (``--flexshard.placement block``) and loaded into dp_shard 2 x tp 2 (rows of the
+    model dim): equal to the state that layout reaches itself, and one more step from either is the same."""
+    import shutil
+    import tempfile
+
+    import ftitan.checkpoint as ckpt
+    from ftitan.flexshard import mesh_muon as mm
+
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    g = torch.Generator().manual_seed(5)
+    grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 0.01, params) for _ in range(steps + 1)]
+    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=mm.head_blocks(model))
+
+    def setup(degrees, rules=None):
+        layout = parallel.Layout(parallel.mesh(**degrees), rules)
+        place = lambda t: parallel.shard_params(t, model.param_axes, layout.rules, layout)  # noqa: E731
+        opt = mm.mesh_muon_with_adamw(layout, params, **kw)
+        sharded = place(params)
+        return place, opt, {"params": sharded, "opt": opt.init(sharded)}
+
+    def run(place, opt, state, gs):
+        p, s = state["params"], state["opt"]
+        for gr in gs:
+            updates, s = opt.update(place(gr), s, p)
+            p = ft.optim.apply_updates(p, updates)
+        return {"params": p, "opt": s}
+
+    rules_a = mm.block_rules(parallel.default_rules(), model, {"dp_shard": 4})
+    place_a, opt_a, fresh_a = setup({"dp_shard": 4}, rules_a)
+    saved = run(place_a, opt_a, fresh_a, grads[:steps])
+    box = [tempfile.mkdtemp(prefix="ftitan-mesh-muon-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    ckpt.save(box[0], steps, saved)
+    place_b, opt_b, fresh_b = setup({"dp_shard": 2, "tp": 2})
+    loaded, _ = ckpt.load(box[0], fresh_b)
+    own = run(place_b, opt_b, fresh_b, grads[:steps])
+
+    def diff(x, y):
+        return max(float((a - b).abs().max()) for a, b in zip(ft.tree.leaves(parallel.unshard(x)),
+                                                              ft.tree.leaves(parallel.unshard(y)), strict=True))
+
+    out = {"check": name, "state_diff": _max(diff(loaded, own)),
+           "placements_differ": str(saved["params"]["layers"]["0"]["attn"]["wq"].placements)
+           != str(loaded["params"]["layers"]["0"]["attn"]["wq"].placements),
+           "next_diff": _max(diff(run(place_b, opt_b, loaded, grads[steps:]), run(place_b, opt_b, own, grads[steps:])))}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0])
+    return out
+
+
+CHECKS["mesh_muon_checkpoint_block4_to_dp2_tp2"] = lambda: mesh_muon_checkpoint_check(
+    "mesh_muon_checkpoint_block4_to_dp2_tp2")

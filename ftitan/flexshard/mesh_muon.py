@@ -1,0 +1,374 @@
+"""Distributed Muon over a parallel run's DTensor state: what ``ftitan train`` runs under dp_shard / tp.
+
+The trainer stores each leaf as a ``DTensor`` split by the rules (``ftitan.parallel``): FSDP rows over
+``dp_shard``, heads / MLP width over ``tp``, experts over ``ep``. Muon's momentum, weight decay and learning
+rate are elementwise and run on the local shards. Its Newton-Schulz needs whole matrices (or whole blocks),
+and per leaf this transform does the least work that gives them:
+
+- **local**: the leaf's matrix dims are not split (a replicated matrix, or a 3-D expert stack split over
+  its expert dim: each rank holds whole experts), or ``blocks`` orthogonalizes it per block of the dim
+  that is split and every rank's shard is whole blocks (``--flexshard.placement block`` stores whole
+  heads per rank: per-head Muon with no communication). Each rank orthogonalizes its shard.
+- **owned**: otherwise the leaf is *owned* by one rank of the ranks that split it (balanced by
+  ``newton_schulz_cost``, the largest first, ties to the lowest rank): one all-to-all sends every rank's
+  shards of the leaves it does not own to their owners, each owner orthogonalizes its whole matrices (per
+  block too), and one all-to-all sends each rank its shard of the updates. Per step and per group of
+  ranks: two all-to-alls, each rank's Newton-Schulz work about ``1 / n`` of the model's (FSDP-only Muon,
+  ``DTensor`` algebra: every rank gathers and orthogonalizes every matrix).
+
+Results equal single-process :func:`ftitan.optim.muon` with the same ``blocks`` (the same matrices, same
+batched calls by shape on each rank; float32 exchanges). The compute layout (who owns what) is a function
+of the shapes and the mesh, not state: the momentum is stored like the params, so a checkpoint reshards to
+another layout as the params do, and the owners are recomputed there.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ftitan import tree
+from ftitan.flexshard.plan import newton_schulz_cost
+from ftitan.optim.learning_rate import scale_by_learning_rate
+from ftitan.optim.muon import (
+    DEFAULT_COEFFICIENTS,
+    Blocks,
+    MuonState,
+    NesterovStyle,
+    ShapeScaling,
+    as_matrices,
+    block_of,
+    check_arguments,
+    momentum_step,
+    orthogonalize,
+    scaled_update,
+)
+from ftitan.optim.muon_adamw import muon_with_adamw as _muon_with_adamw
+from ftitan.optim.schedules import Schedule
+from ftitan.optim.transform import Transform, Updates, accumulator_dtype, chain, state_device
+from ftitan.optim.weight_decay import add_decayed_weights
+from ftitan.parallel import collectives as C
+from ftitan.parallel.dims import AXES
+from ftitan.parallel.layout import Layout
+from ftitan.parallel.rules import Rules
+
+__all__ = ["block_rules", "head_blocks", "mesh_muon", "mesh_muon_with_adamw", "muon_kind", "scale_by_mesh_muon"]
+
+HEAD_AXES = {"heads": "n_heads", "kv_heads": "n_kv_heads"}  # logical axis -> the model config's head count
+
+
+def head_blocks(model: Any) -> dict[str, tuple[int, int]]:
+    """``blocks`` for per-head Muon on ``model`` (a ``ftitan.models.Model``): every matrix with a
+    ``heads`` / ``kv_heads`` logical axis on one of its two matrix dims (q/k/v/o projections, MLA's
+    up-projections), cut into that many blocks along it; one glob per leaf name (the layer index as ``*``)."""
+    from ftitan import random
+
+    cfg, out = model.config, {}
+
+    def one(path: str, x: Any, axes: tuple[str | None, ...]) -> None:
+        for d in (x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else ():
+            count = getattr(cfg, HEAD_AXES.get(axes[d] or "", ""), None)
+            if count and x.shape[d] % count == 0:
+                glob = ".".join("*" if part.isdigit() else part for part in path.split("."))
+                out.setdefault(glob, (d - x.ndim, x.shape[d] // count))
+                return
+
+    tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
+    return out
+
+
+def block_rules(rules: Rules, model: Any, sizes: Mapping[str, int]) -> Rules:
+    """``rules`` with ``dp_shard`` storing whole heads and whole experts (FlexShard's ``BlockShard`` for the
+    trainer, ``--flexshard.placement block``): every matrix with a ``heads`` / ``kv_heads`` axis is split over
+    ``dp_shard`` along that axis (per-head Muon is then local where the heads divide evenly), and expert stacks
+    along their expert dim (per-expert Muon is local). Only where the axis has no other split (``tp`` for
+    heads, ``ep`` for experts, size 1 in ``sizes``): DTensor splits one dim over several mesh axes outermost
+    first, and ``dp_shard`` is outer to ``tp`` and ``ep``, so their blocks would interleave."""
+    from ftitan import random
+
+    if sizes.get("ep", 1) == 1:
+        rules = rules.with_rule("experts", (*rules.mesh_axes("experts"), "dp_shard"))
+    if sizes.get("tp", 1) > 1:
+        return rules
+    overrides: dict[str, tuple[tuple[str, ...], ...]] = {}
+
+    def one(path: str, x: Any, axes: tuple[str | None, ...]) -> None:
+        heads = [d for d in range(max(0, x.ndim - 2), x.ndim) if axes[d] in HEAD_AXES]
+        if not heads or "experts" in axes:
+            return
+        per_dim = tuple(("dp_shard",) if d == heads[0] else
+                        tuple(a for a in (rules.mesh_axes(ax) if ax else ()) if a != "dp_shard")
+                        for d, ax in enumerate(axes))  # fmt: skip
+        overrides.setdefault(".".join("*" if part.isdigit() else part for part in path.split(".")), per_dim)
+
+    tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
+    for pattern, per_dim in overrides.items():
+        rules = rules.with_override(pattern, per_dim)
+    return rules
+
+
+def _split_axes(x: Any) -> tuple[str, ...]:
+    """The mesh axes splitting one of the two matrix dims of ``x`` (a DTensor; ``()`` for a plain tensor)."""
+    if not isinstance(x, DTensor) or x.ndim < 2:
+        return ()
+    names = x.device_mesh.mesh_dim_names or ()
+    return tuple(a for a, p in zip(names, x.placements, strict=True) if isinstance(p, Shard) and p.dim >= x.ndim - 2)
+
+
+def _dims(x: DTensor) -> dict[str, int]:
+    """``{mesh axis: tensor dim}`` of the axes splitting ``x``."""
+    names = x.device_mesh.mesh_dim_names or ()
+    return {a: p.dim for a, p in zip(names, x.placements, strict=True) if isinstance(p, Shard)}
+
+
+def muon_kind(x: Any, path: str, blocks: Blocks | None) -> str:
+    """How the ranks orthogonalize leaf ``path`` stored as ``x``: ``"local"`` (each rank its own shard: the
+    matrix dims are whole, or split into whole blocks of ``blocks``) or ``"owned"`` (one rank, its owner,
+    the whole matrix)."""
+    split = _split_axes(x)
+    if not split:
+        return "local"
+    block = block_of(path, blocks)
+    if block is None:
+        return "owned"
+    dims, d = _dims(x), block[0] % x.ndim
+    local = x.to_local()
+    return "local" if all(dims[a] == d for a in split) and local.shape[d] % block[1] == 0 else "owned"
+
+
+class _Group:
+    """The leaves owned within one group of ranks (those splitting their matrix dims over ``axes``)."""
+
+    def __init__(self, axes: tuple[str, ...], mesh: DeviceMesh, sizes: dict[str, int]) -> None:
+        self.axes, self.mesh, self.sizes = axes, mesh, sizes
+        self.world, self.me = mesh.size(), mesh.get_local_rank()
+
+    def coords(self, j: int) -> dict[str, int]:
+        """Member ``j``'s coordinate on each axis (row-major over ``axes`` in mesh order)."""
+        out = {}
+        for a in reversed(self.axes):
+            j, out[a] = divmod(j, self.sizes[a])
+        return out
+
+    def piece(self, j: int, x: DTensor, local_shape: Sequence[int]) -> tuple[slice, ...]:
+        """Where member ``j``'s shard lies in the leaf's whole matrices (the other dims as held)."""
+        dims, c = _dims(x), self.coords(j)
+        out = []
+        for d, n in enumerate(local_shape):
+            axes = [a for a in AXES if a in self.axes and dims[a] == d]
+            index = 0
+            for a in axes:
+                index = index * self.sizes[a] + c[a]
+            out.append(slice(index * n, (index + 1) * n))
+        return tuple(out)
+
+    def whole_shape(self, x: DTensor, local_shape: Sequence[int]) -> tuple[int, ...]:
+        dims = _dims(x)
+        return tuple(n * math.prod(self.sizes[a] for a in self.axes if dims[a] == d) for d, n in enumerate(local_shape))
+
+
+def _owners(costs: Sequence[int], world: int) -> list[int]:
+    """Each item's owner: the largest cost first, each to the least loaded rank (ties: the lowest rank)."""
+    load, out = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += costs[i]
+    return out
+
+
+def scale_by_mesh_muon(
+    layout: Layout | None,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    shape_scaling: ShapeScaling = "original",
+    *,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    eps: float = 1e-7,
+    nesterov_style: NesterovStyle = "torch",
+    blocks: Blocks | None = None,
+) -> Transform:
+    """:func:`ftitan.optim.scale_by_muon` over DTensor leaves of ``layout`` (see the module docstring);
+    plain tensors (``layout=None``, one process) are orthogonalized where they are. The groups of ranks
+    for leaves split over several mesh axes are made here, on every rank alike (a collective call)."""
+    check_arguments(momentum, nesterov_style, shape_scaling)
+    meshes: dict[tuple[str, ...], DeviceMesh] = {}
+    if layout is not None:
+        axes = [a for a in layout.storage_axes if layout.sizes[a] > 1]
+        for k in range(1, len(axes) + 1):
+            for combo in _combinations(axes, k):
+                meshes[combo] = layout.mesh[combo[0]] if k == 1 else layout.mesh[combo]._flatten("_".join(combo))
+
+    def init(params: Any) -> MuonState:
+        def zeros(path: str, p: torch.Tensor) -> torch.Tensor:
+            if p.ndim < 2:
+                raise ValueError(f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(p.shape)}; route "
+                                 "vectors to AdamW (flexshard.mesh_muon_with_adamw)")  # fmt: skip
+            return torch.zeros_like(p, dtype=accumulator_dtype(p))
+
+        bufs = tree.map_with_path(zeros, params)
+        if nesterov_style == "torch":
+            return MuonState(momentum=bufs)
+        return MuonState(momentum=bufs, count=torch.zeros((), dtype=torch.int64, device=state_device(params)))
+
+    def update(grads: Updates, state: MuonState, params: Any = None) -> tuple[Updates, MuonState]:
+        del params
+        paths, gs, treedef = tree.flatten_with_paths(grads)
+        bufs = tree.leaves(state.momentum)
+        count = None if state.count is None else state.count + 1
+        local = lambda x: x.to_local() if isinstance(x, DTensor) else x  # noqa: E731
+        new_bufs, inputs = momentum_step([local(g) for g in gs], [local(b) for b in bufs], momentum, nesterov,
+                                         nesterov_style, count)  # fmt: skip
+        blocks_of = [block_of(path, blocks) for path in paths]
+        kinds = [muon_kind(g, path, blocks) for path, g in zip(paths, gs, strict=True)]
+        mats: list[torch.Tensor | None] = [None] * len(gs)
+        owned: dict[tuple[Any, ...], list[int]] = {}
+        for i, (path, x, kind) in enumerate(zip(paths, inputs, kinds, strict=True)):
+            if kind == "local":
+                mats[i] = as_matrices(x, blocks_of[i], path)
+            else:
+                owned.setdefault((_split_axes(gs[i]), x.dtype), []).append(i)
+        exchanges = []
+        for (split, dtype), members in sorted(owned.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            if split not in meshes:
+                raise ValueError(f"flexshard.mesh_muon: {paths[members[0]]} is split over {split}, which the "
+                                 f"layout this optimizer was built for does not have; build it with the run's layout")
+            group = _Group(split, meshes[split], layout.sizes)  # type: ignore[union-attr]
+            exchanges.append(_gather_owned(group, members, gs, inputs, paths, blocks_of, mats))
+        ortho = orthogonalize(mats, steps=ns_steps, coefficients=coefficients, eps=eps,  # type: ignore[arg-type]
+                              dtype=ns_dtype)  # fmt: skip
+        outputs: list[torch.Tensor | None] = [None] * len(gs)
+        for i, o in enumerate(ortho):
+            if kinds[i] == "local":
+                g = local(gs[i])
+                outputs[i] = scaled_update(o, g.dtype, g.shape, blocks_of[i], shape_scaling)
+        for ex in exchanges:
+            ex.scatter(ortho, gs, shape_scaling, outputs)
+        placed = [_like(u, g) for u, g in zip(outputs, gs, strict=True)]
+        new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum),
+                                                      [_like(b, ref) for b, ref in zip(new_bufs, bufs, strict=True)]),
+                              count=count)  # fmt: skip
+        return tree.unflatten(treedef, placed), new_state
+
+    return Transform(init, update)
+
+
+def _combinations(items: Sequence[str], k: int) -> list[tuple[str, ...]]:
+    import itertools
+
+    return list(itertools.combinations(items, k))
+
+
+def _like(x: torch.Tensor | None, ref: Any) -> Any:
+    assert x is not None
+    if not isinstance(ref, DTensor):
+        return x
+    return DTensor.from_local(x, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
+
+
+class _Exchange:
+    """One group's owned leaves: gathered whole on their owners (one all-to-all), their updates sent back
+    (:meth:`scatter`, one all-to-all)."""
+
+    def __init__(self, group: _Group, members: list[int], owners: list[int], shapes: list[tuple[int, ...]],
+                 blocks_of: list[Any], like: torch.Tensor) -> None:  # fmt: skip
+        self.group, self.members, self.owners, self.shapes = group, members, owners, shapes
+        self.blocks_of = blocks_of
+        self.dtype, self.device = like.dtype, like.device  # what travels: the Newton-Schulz inputs' dtype
+
+    def scatter(self, ortho: list[torch.Tensor], gs: list[Any], shape_scaling: ShapeScaling,
+                outputs: list[torch.Tensor | None]) -> None:  # fmt: skip
+        g, me = self.group, self.group.me
+        mine = [k for k, i in enumerate(self.members) if self.owners[k] == me]
+        sends = []
+        for j in range(g.world):  # to member j: its shard of each update I own
+            for k in mine:
+                i = self.members[k]
+                x = gs[i]
+                u = scaled_update(ortho[i], x.to_local().dtype, g.whole_shape(x, self.shapes[k]), self.blocks_of[i],
+                                  shape_scaling)  # fmt: skip
+                sends.append(u[g.piece(j, x, self.shapes[k])].reshape(-1).to(self.dtype))
+        numel = [math.prod(s) for s in self.shapes]
+        in_splits = [sum(numel[k] for k in mine)] * g.world
+        out_splits = [sum(numel[k] for k, o in enumerate(self.owners) if o == j) for j in range(g.world)]
+        buf = torch.cat(sends) if sends else torch.zeros(0, dtype=self.dtype, device=self.device)
+        got = C.all_to_all(buf, g.mesh, out_splits=out_splits, in_splits=in_splits)
+        at = 0
+        for j in range(g.world):  # from owner j: my shards of its leaves, in member order
+            for k, o in enumerate(self.owners):
+                if o == j:
+                    i = self.members[k]
+                    outputs[i] = got[at : at + numel[k]].view(self.shapes[k]).to(gs[i].to_local().dtype)
+                    at += numel[k]
+
+
+def _gather_owned(group: _Group, members: list[int], gs: list[Any], inputs: list[torch.Tensor], paths: list[str],
+                  blocks_of: list[Any], mats: list[torch.Tensor | None]) -> _Exchange:  # fmt: skip
+    """Send each shard of ``members`` to its leaf's owner (one all-to-all over ``group``); the owner's
+    ``mats`` entries become the whole leaves' matrices, the others' empty batches of the same shape."""
+    shapes = [tuple(inputs[i].shape) for i in members]
+    wholes = [group.whole_shape(gs[i], s) for i, s in zip(members, shapes, strict=True)]
+    like = [as_matrices(torch.empty(w, device="meta"), blocks_of[i], paths[i]) for i, w in zip(members, wholes,
+                                                                                                 strict=True)]  # fmt: skip
+    owners = _owners([newton_schulz_cost(m.shape) for m in like], group.world)
+    numel = [math.prod(s) for s in shapes]
+    sends, in_splits = [], []
+    for j in range(group.world):
+        chunk = [inputs[i].reshape(-1) for k, i in enumerate(members) if owners[k] == j]
+        sends.extend(chunk)
+        in_splits.append(sum(c.numel() for c in chunk))
+    mine = [k for k in range(len(members)) if owners[k] == group.me]
+    out_splits = [sum(numel[k] for k in mine)] * group.world
+    empty = torch.zeros(0, dtype=inputs[members[0]].dtype, device=inputs[members[0]].device)
+    got = C.all_to_all(torch.cat(sends) if sends else empty, group.mesh, out_splits=out_splits, in_splits=in_splits)
+    x0 = inputs[members[0]]
+    whole = {k: torch.empty(wholes[k], dtype=x0.dtype, device=x0.device) for k in mine}
+    at = 0
+    for j in range(group.world):
+        for k in mine:
+            whole[k][group.piece(j, gs[members[k]], shapes[k])] = got[at : at + numel[k]].view(shapes[k])
+            at += numel[k]
+    for k, i in enumerate(members):
+        m = like[k]
+        mats[i] = (as_matrices(whole[k], blocks_of[i], paths[i]) if k in whole
+                   else torch.zeros(0, *m.shape[-2:], dtype=x0.dtype, device=x0.device))  # fmt: skip
+    return _Exchange(group, members, owners, shapes, blocks_of, x0)
+
+
+def mesh_muon(
+    layout: Layout | None,
+    lr: float | torch.Tensor | Schedule,
+    weight_decay: float | torch.Tensor = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    shape_scaling: ShapeScaling = "original",
+    *,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    eps: float = 1e-7,
+    nesterov_style: NesterovStyle = "torch",
+    blocks: Blocks | None = None,
+) -> Transform:
+    """:func:`ftitan.optim.muon` over ``layout``'s DTensor params: distributed Newton-Schulz (see the
+    module docstring), elementwise rest on the shards."""
+    return chain(
+        scale_by_mesh_muon(layout, momentum, nesterov, ns_steps, ns_dtype, shape_scaling, coefficients=coefficients,
+                           eps=eps, nesterov_style=nesterov_style, blocks=blocks),  # fmt: skip
+        add_decayed_weights(weight_decay),
+        scale_by_learning_rate(lr),
+    )
+
+
+def mesh_muon_with_adamw(layout: Layout | None, params: Any = None, **kwargs: Any) -> Transform:
+    """:func:`ftitan.optim.muon_with_adamw` over ``layout``'s DTensor params: :func:`mesh_muon` on the hidden
+    matrices, AdamW on the rest; the same keyword arguments."""
+    return _muon_with_adamw(params, muon_impl=functools.partial(mesh_muon, layout), **kwargs)
