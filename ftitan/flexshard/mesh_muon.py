@@ -25,6 +25,7 @@ another layout as the params do, and the owners are recomputed there.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ftitan import tree
 from ftitan.flexshard.plan import newton_schulz_cost
+from ftitan.optim.adam import adamw
 from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.muon import (
     DEFAULT_COEFFICIENTS,
@@ -45,7 +47,9 @@ from ftitan.optim.muon import (
     as_matrices,
     block_of,
     check_arguments,
+    from_matrices,
     momentum_step,
+    muon_shape_scale,
     orthogonalize,
     scaled_update,
 )
@@ -57,8 +61,10 @@ from ftitan.parallel import collectives as C
 from ftitan.parallel.dims import AXES
 from ftitan.parallel.layout import Layout
 from ftitan.parallel.rules import Rules
+from ftitan.parallel import shard as parallel_shard
+from ftitan.parallel.shard import from_local, on_shards
 
-__all__ = ["block_rules", "head_blocks", "mesh_muon", "mesh_muon_with_adamw", "muon_kind", "scale_by_mesh_muon"]
+__all__ = ["block_rules", "head_blocks", "mesh_muon", "mesh_muon_with_adamw", "muon_kind", "scale_by_mesh_muon", "sharded_adamw"]
 
 HEAD_AXES = {"heads": "n_heads", "kv_heads": "n_kv_heads"}  # logical axis -> the model config's head count
 
@@ -138,7 +144,7 @@ def muon_kind(x: Any, path: str, blocks: Blocks | None) -> str:
     if block is None:
         return "owned"
     dims, d = _dims(x), block[0] % x.ndim
-    local = x.to_local()
+    local = parallel_shard.local_shard(x)
     return "local" if all(dims[a] == d for a in split) and local.shape[d] % block[1] == 0 else "owned"
 
 
@@ -204,7 +210,7 @@ def scale_by_mesh_muon(
     if layout is not None:
         axes = [a for a in layout.storage_axes if layout.sizes[a] > 1]
         for k in range(1, len(axes) + 1):
-            for combo in _combinations(axes, k):
+            for combo in itertools.combinations(axes, k):
                 meshes[combo] = layout.mesh[combo[0]] if k == 1 else layout.mesh[combo]._flatten("_".join(combo))
 
     def init(params: Any) -> MuonState:
@@ -224,25 +230,25 @@ def scale_by_mesh_muon(
         paths, gs, treedef = tree.flatten_with_paths(grads)
         bufs = tree.leaves(state.momentum)
         count = None if state.count is None else state.count + 1
-        local = lambda x: x.to_local() if isinstance(x, DTensor) else x  # noqa: E731
+        local = parallel_shard.local_shard
         new_bufs, inputs = momentum_step([local(g) for g in gs], [local(b) for b in bufs], momentum, nesterov,
                                          nesterov_style, count)  # fmt: skip
         blocks_of = [block_of(path, blocks) for path in paths]
         kinds = [muon_kind(g, path, blocks) for path, g in zip(paths, gs, strict=True)]
         mats: list[torch.Tensor | None] = [None] * len(gs)
-        owned: dict[tuple[Any, ...], list[int]] = {}
+        owned: dict[tuple[str, ...], list[int]] = {}  # by the axes that split them: one group of ranks each
         for i, (path, x, kind) in enumerate(zip(paths, inputs, kinds, strict=True)):
-            if kind == "local":
-                mats[i] = as_matrices(x, blocks_of[i], path)
+            if kind == "local":  # (Newton-Schulz casts to ns_dtype first: the same batches as the owned ones)
+                mats[i] = as_matrices(x, blocks_of[i], path).to(ns_dtype)
             else:
-                owned.setdefault((_split_axes(gs[i]), x.dtype), []).append(i)
+                owned.setdefault(_split_axes(gs[i]), []).append(i)
         exchanges = []
-        for (split, dtype), members in sorted(owned.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        for split, members in sorted(owned.items()):
             if split not in meshes:
                 raise ValueError(f"flexshard.mesh_muon: {paths[members[0]]} is split over {split}, which the "
                                  f"layout this optimizer was built for does not have; build it with the run's layout")
             group = _Group(split, meshes[split], layout.sizes)  # type: ignore[union-attr]
-            exchanges.append(_gather_owned(group, members, gs, inputs, paths, blocks_of, mats))
+            exchanges.append(_exchange(group, members, gs, inputs, paths, blocks_of, mats, ns_dtype))
         ortho = orthogonalize(mats, steps=ns_steps, coefficients=coefficients, eps=eps,  # type: ignore[arg-type]
                               dtype=ns_dtype)  # fmt: skip
         outputs: list[torch.Tensor | None] = [None] * len(gs)
@@ -251,96 +257,77 @@ def scale_by_mesh_muon(
                 g = local(gs[i])
                 outputs[i] = scaled_update(o, g.dtype, g.shape, blocks_of[i], shape_scaling)
         for ex in exchanges:
-            ex.scatter(ortho, gs, shape_scaling, outputs)
-        placed = [_like(u, g) for u, g in zip(outputs, gs, strict=True)]
-        new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum),
-                                                      [_like(b, ref) for b, ref in zip(new_bufs, bufs, strict=True)]),
-                              count=count)  # fmt: skip
-        return tree.unflatten(treedef, placed), new_state
+            ex.scatter(ortho, gs, blocks_of, shape_scaling, outputs)
+        momentum_bufs = from_local(tree.unflatten(tree.structure(state.momentum), new_bufs), state.momentum)
+        return from_local(tree.unflatten(treedef, outputs), grads), MuonState(momentum=momentum_bufs, count=count)
 
     return Transform(init, update)
 
 
-def _combinations(items: Sequence[str], k: int) -> list[tuple[str, ...]]:
-    import itertools
-
-    return list(itertools.combinations(items, k))
-
-
-def _like(x: torch.Tensor | None, ref: Any) -> Any:
-    assert x is not None
-    if not isinstance(ref, DTensor):
-        return x
-    return DTensor.from_local(x, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
-
-
 class _Exchange:
-    """One group's owned leaves: gathered whole on their owners (one all-to-all), their updates sent back
-    (:meth:`scatter`, one all-to-all)."""
+    """One group's owned leaves: their shards gathered whole on the owners (one all-to-all, :func:`_exchange`),
+    the orthogonalized leaves' shards sent back (:meth:`scatter`, one all-to-all). Both travel in the
+    Newton-Schulz dtype: Newton-Schulz casts its input to it first, and each rank casts and scales its shard
+    of the result as :func:`ftitan.optim.muon.scaled_update` does, so the bits are single-process Muon's."""
 
     def __init__(self, group: _Group, members: list[int], owners: list[int], shapes: list[tuple[int, ...]],
-                 blocks_of: list[Any], like: torch.Tensor) -> None:  # fmt: skip
+                 wholes: list[tuple[int, ...]], matrices: list[tuple[int, int]], like: torch.Tensor) -> None:  # fmt: skip
         self.group, self.members, self.owners, self.shapes = group, members, owners, shapes
-        self.blocks_of = blocks_of
-        self.dtype, self.device = like.dtype, like.device  # what travels: the Newton-Schulz inputs' dtype
+        self.wholes, self.matrices = wholes, matrices  # each leaf's whole shape, and its matrices' (m, n)
+        self.dtype, self.device = like.dtype, like.device
+        self.mine = [k for k, o in enumerate(owners) if o == group.me]
 
-    def scatter(self, ortho: list[torch.Tensor], gs: list[Any], shape_scaling: ShapeScaling,
-                outputs: list[torch.Tensor | None]) -> None:  # fmt: skip
-        g, me = self.group, self.group.me
-        mine = [k for k, i in enumerate(self.members) if self.owners[k] == me]
-        sends = []
-        for j in range(g.world):  # to member j: its shard of each update I own
-            for k in mine:
-                i = self.members[k]
-                x = gs[i]
-                u = scaled_update(ortho[i], x.to_local().dtype, g.whole_shape(x, self.shapes[k]), self.blocks_of[i],
-                                  shape_scaling)  # fmt: skip
-                sends.append(u[g.piece(j, x, self.shapes[k])].reshape(-1).to(self.dtype))
+    def splits(self) -> tuple[list[int], list[int]]:
+        """``(numel from each member, numel of mine)``: an all-to-all's splits, shards to owners."""
         numel = [math.prod(s) for s in self.shapes]
-        in_splits = [sum(numel[k] for k in mine)] * g.world
-        out_splits = [sum(numel[k] for k, o in enumerate(self.owners) if o == j) for j in range(g.world)]
+        per_owner = [sum(numel[k] for k, o in enumerate(self.owners) if o == j) for j in range(self.group.world)]
+        return per_owner, [sum(numel[k] for k in self.mine)] * self.group.world
+
+    def scatter(self, ortho: list[torch.Tensor], gs: list[Any], blocks_of: list[Any], shape_scaling: ShapeScaling,
+                outputs: list[torch.Tensor | None]) -> None:  # fmt: skip
+        g = self.group
+        whole = {k: from_matrices(ortho[self.members[k]], self.wholes[k], blocks_of[self.members[k]])
+                 for k in self.mine}  # fmt: skip
+        sends = [whole[k][g.piece(j, gs[self.members[k]], self.shapes[k])].reshape(-1)
+                 for j in range(g.world) for k in self.mine]  # fmt: skip
+        per_owner, mine = self.splits()
         buf = torch.cat(sends) if sends else torch.zeros(0, dtype=self.dtype, device=self.device)
-        got = C.all_to_all(buf, g.mesh, out_splits=out_splits, in_splits=in_splits)
-        at = 0
-        for j in range(g.world):  # from owner j: my shards of its leaves, in member order
-            for k, o in enumerate(self.owners):
-                if o == j:
-                    i = self.members[k]
-                    outputs[i] = got[at : at + numel[k]].view(self.shapes[k]).to(gs[i].to_local().dtype)
-                    at += numel[k]
+        got = C.all_to_all(buf, g.mesh, out_splits=per_owner, in_splits=mine).split(
+            [math.prod(self.shapes[k]) for j in range(g.world) for k, o in enumerate(self.owners) if o == j])
+        order = [k for j in range(g.world) for k, o in enumerate(self.owners) if o == j]  # from owner j, its leaves
+        for piece, k in zip(got, order, strict=True):
+            i = self.members[k]
+            scale = muon_shape_scale(*self.matrices[k], shape_scaling)
+            outputs[i] = piece.view(self.shapes[k]).to(parallel_shard.local_shard(gs[i]).dtype) * scale
 
 
-def _gather_owned(group: _Group, members: list[int], gs: list[Any], inputs: list[torch.Tensor], paths: list[str],
-                  blocks_of: list[Any], mats: list[torch.Tensor | None]) -> _Exchange:  # fmt: skip
-    """Send each shard of ``members`` to its leaf's owner (one all-to-all over ``group``); the owner's
-    ``mats`` entries become the whole leaves' matrices, the others' empty batches of the same shape."""
+def _exchange(group: _Group, members: list[int], gs: list[Any], inputs: list[torch.Tensor], paths: list[str],
+              blocks_of: list[Any], mats: list[torch.Tensor | None], dtype: torch.dtype) -> _Exchange:  # fmt: skip
+    """Send each shard of ``members`` (in ``dtype``) to its leaf's owner (one all-to-all over ``group``); the
+    owner's ``mats`` entries become the whole leaves' matrices, the others' empty batches of that shape."""
     shapes = [tuple(inputs[i].shape) for i in members]
     wholes = [group.whole_shape(gs[i], s) for i, s in zip(members, shapes, strict=True)]
-    like = [as_matrices(torch.empty(w, device="meta"), blocks_of[i], paths[i]) for i, w in zip(members, wholes,
-                                                                                                 strict=True)]  # fmt: skip
+    like = [as_matrices(torch.empty(w, device="meta"), blocks_of[i], paths[i])
+            for i, w in zip(members, wholes, strict=True)]  # fmt: skip
     owners = _owners([newton_schulz_cost(m.shape) for m in like], group.world)
-    numel = [math.prod(s) for s in shapes]
-    sends, in_splits = [], []
-    for j in range(group.world):
-        chunk = [inputs[i].reshape(-1) for k, i in enumerate(members) if owners[k] == j]
-        sends.extend(chunk)
-        in_splits.append(sum(c.numel() for c in chunk))
-    mine = [k for k in range(len(members)) if owners[k] == group.me]
-    out_splits = [sum(numel[k] for k in mine)] * group.world
-    empty = torch.zeros(0, dtype=inputs[members[0]].dtype, device=inputs[members[0]].device)
-    got = C.all_to_all(torch.cat(sends) if sends else empty, group.mesh, out_splits=out_splits, in_splits=in_splits)
     x0 = inputs[members[0]]
-    whole = {k: torch.empty(wholes[k], dtype=x0.dtype, device=x0.device) for k in mine}
-    at = 0
-    for j in range(group.world):
-        for k in mine:
-            whole[k][group.piece(j, gs[members[k]], shapes[k])] = got[at : at + numel[k]].view(shapes[k])
-            at += numel[k]
+    ex = _Exchange(group, members, owners, shapes, wholes, [tuple(m.shape[-2:]) for m in like],
+                   torch.empty(0, dtype=dtype, device=x0.device))  # fmt: skip
+    sends = [inputs[i].reshape(-1).to(dtype) for j in range(group.world) for k, i in enumerate(members)
+             if owners[k] == j]  # fmt: skip
+    per_owner, mine = ex.splits()
+    buf = torch.cat(sends) if sends else torch.zeros(0, dtype=dtype, device=x0.device)
+    got = C.all_to_all(buf, group.mesh, out_splits=mine, in_splits=per_owner)
+    whole = {k: torch.empty(wholes[k], dtype=dtype, device=x0.device) for k in ex.mine}
+    pieces = got.split([math.prod(shapes[k]) for _ in range(group.world) for k in ex.mine])
+    for n, piece in enumerate(pieces):  # from member j, its shard of each leaf I own
+        j, k = divmod(n, len(ex.mine))
+        k = ex.mine[k]
+        whole[k][group.piece(j, gs[members[k]], shapes[k])] = piece.view(shapes[k])
     for k, i in enumerate(members):
-        m = like[k]
         mats[i] = (as_matrices(whole[k], blocks_of[i], paths[i]) if k in whole
-                   else torch.zeros(0, *m.shape[-2:], dtype=x0.dtype, device=x0.device))  # fmt: skip
-    return _Exchange(group, members, owners, shapes, blocks_of, x0)
+                   else torch.zeros(0, *like[k].shape[-2:], dtype=dtype, device=x0.device))  # fmt: skip
+    return ex
 
 
 def mesh_muon(
@@ -360,15 +347,22 @@ def mesh_muon(
 ) -> Transform:
     """:func:`ftitan.optim.muon` over ``layout``'s DTensor params: distributed Newton-Schulz (see the
     module docstring), elementwise rest on the shards."""
-    return chain(
+    return chain(  # ft.optim.muon's chain, so the state is the same leaf for leaf (a checkpoint reads either)
         scale_by_mesh_muon(layout, momentum, nesterov, ns_steps, ns_dtype, shape_scaling, coefficients=coefficients,
                            eps=eps, nesterov_style=nesterov_style, blocks=blocks),  # fmt: skip
-        add_decayed_weights(weight_decay),
-        scale_by_learning_rate(lr),
+        on_shards(add_decayed_weights(weight_decay)),
+        on_shards(scale_by_learning_rate(lr)),
     )
 
 
 def mesh_muon_with_adamw(layout: Layout | None, params: Any = None, **kwargs: Any) -> Transform:
     """:func:`ftitan.optim.muon_with_adamw` over ``layout``'s DTensor params: :func:`mesh_muon` on the hidden
-    matrices, AdamW on the rest; the same keyword arguments."""
-    return _muon_with_adamw(params, muon_impl=functools.partial(mesh_muon, layout), **kwargs)
+    matrices, AdamW on the rest (on the local shards: ``parallel.on_shards``); the same keyword arguments."""
+    return _muon_with_adamw(params, muon_impl=functools.partial(mesh_muon, layout), adamw_impl=sharded_adamw,
+                            **kwargs)  # fmt: skip
+
+
+def sharded_adamw(*args: Any, **kwargs: Any) -> Transform:
+    """:func:`ftitan.optim.adamw` on each DTensor's local shard (``parallel.on_shards``): elementwise, so the
+    same numbers without DTensor's per-op dispatch."""
+    return on_shards(adamw(*args, **kwargs))

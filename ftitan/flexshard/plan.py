@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ftitan import tree
 from ftitan.flexshard import quant
+from ftitan.flexshard import packed
 from ftitan.parallel import collectives as C
 
 __all__ = [
@@ -198,32 +199,8 @@ class Plan:
         self.buckets = {b.label: b for b in buckets if any(lp.bucket == b.label for lp in leaves)}
         self.mesh, self.world, self.rank = mesh, world, rank
         self.members = {name: [lp for lp in leaves if lp.bucket == name] for name in self.buckets}
-        # per bucket: each packed leaf's offset in a rank's flat buffer, and the buffer's padded length
-        self.offsets: dict[str, dict[str, tuple[int, ...]]] = {}
-        self.padded: dict[str, int] = {}
-        for name, members in self.members.items():
-            ends = [0] * world
-            offs: dict[str, tuple[int, ...]] = {}
-            for lp in members:
-                if lp.packed:
-                    offs[lp.path] = tuple(ends)
-                    ends = [e + lp.numel(r) for r, e in enumerate(ends)]
-            self.offsets[name] = offs
-            self.padded[name] = max(ends)
-        # quantized buckets: each packed leaf's byte offset in a rank's encoded buffer, and its padded length
-        self.byte_offsets: dict[str, dict[str, tuple[int, ...]]] = {}
-        self.padded_bytes: dict[str, int] = {}
-        for name, b in self.buckets.items():
-            if b.quantize is None:
-                continue
-            ends = [0] * world
-            boffs: dict[str, tuple[int, ...]] = {}
-            for lp in self.members[name]:
-                if lp.packed:
-                    boffs[lp.path] = tuple(ends)
-                    ends = [e + quant.encoded_bytes(lp.local_shape(r), b.quant_block) for r, e in enumerate(ends)]
-            self.byte_offsets[name] = boffs
-            self.padded_bytes[name] = max(ends)
+        # per bucket: the length of every rank's buffer (the largest rank's packed parts)
+        self.padded = {name: packed.padded_length(self.part_shapes(name)) for name in self.members}
 
     # ------------------------------------------------------------------------------------------ state
 
@@ -250,50 +227,20 @@ class Plan:
 
     # ------------------------------------------------------------------------------------ collectives
 
-    def pack(self, local: Mapping[str, torch.Tensor], bucket: str) -> torch.Tensor:
-        """This rank's parts of ``bucket``'s leaves (``{path: part}``, or the whole local tree) as one flat
-        buffer of the bucket's padded length, in its gather dtype (differentiable)."""
-        flat = self._flat(local)
-        b = self.buckets[bucket]
-        pieces = []
-        for lp in self.members[bucket]:
-            if lp.packed:
-                x = flat[lp.path]
-                pieces.append(x.reshape(-1).to(b.gather_dtype or x.dtype))
-        dtype = b.gather_dtype or (pieces[0].dtype if pieces else torch.float32)
-        used = sum(p.numel() for p in pieces)
-        if used < self.padded[bucket] or not pieces:
-            device = pieces[0].device if pieces else None
-            pieces.append(torch.zeros(self.padded[bucket] - used, dtype=dtype, device=device))
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-
-    def unpack(self, gathered: torch.Tensor, bucket: str) -> dict[str, torch.Tensor]:
-        """The full packed leaves of ``bucket`` cut from every rank's buffer, concatenated (``(world *
-        padded,)``, rank by rank: an all-gather's result)."""
-        n = self.padded[bucket]
-        out = {}
-        for lp in self.members[bucket]:
-            if not lp.packed:
-                continue
-            offs = self.offsets[bucket][lp.path]
-            parts = [gathered[r * n + offs[r] : r * n + offs[r] + lp.numel(r)].view(lp.local_shape(r))
-                     for r in range(self.world) if lp.numel(r)]  # fmt: skip
-            out[lp.path] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=lp.dim)
-        return out
-
     def gather(self, local: tree.Tree, bucket: str) -> dict[str, torch.Tensor]:
         """``{path: full tensor}`` of ``bucket``'s leaves from every rank's parts: one all-gather of the packed
         buffer (Replicate leaves: this rank's own, cast). Differentiable: the gradient of the parts is one
         reduce-scatter of the packed gradients (summed over the ranks)."""
         flat = self._flat(local)
         b = self.buckets[bucket]
+        members = [lp for lp in self.members[bucket] if lp.packed]
         out = {}
-        if self.padded[bucket]:
-            buf = self.pack(flat, bucket)
-            if b.quantize is not None:
-                out = self.unpack(_QuantizedGather.apply(buf, self, bucket), bucket)
-            else:
-                out = self.unpack(buf if self.world == 1 else C.all_gather(buf, self._group()), bucket)
+        if members:
+            parts = [flat[lp.path] for lp in members]
+            outs = packed.packed_gather(parts, self.part_shapes(bucket), [lp.dim for lp in members], self._group(),
+                                        compute=b.gather_dtype or parts[0].dtype, quantize=b.quantize,
+                                        block=b.quant_block)  # fmt: skip
+            out = dict(zip((lp.path for lp in members), outs, strict=True))
         whole = [lp for lp in self.members[bucket] if not lp.packed]
         if whole:  # every rank holds them: the identity, whose gradient is one all-reduce of them all, packed
             xs = [flat[lp.path].to(b.gather_dtype or flat[lp.path].dtype) for lp in whole]
@@ -315,11 +262,14 @@ class Plan:
         flat = self._flat(grads)
         out: dict[str, torch.Tensor] = {}
         for name, members in self.members.items():
-            if self.padded[name]:
-                buf = self.pack_full(flat, name, dtype=dtype)
+            split = [lp for lp in members if lp.packed]
+            if split:
+                gs = [flat[lp.path] for lp in split]
+                shapes = self.part_shapes(name)
+                buf = packed.pack_grads(gs, shapes, [lp.dim for lp in split], dtype or gs[0].dtype)
                 mine = buf if self.world == 1 else C.reduce_scatter(buf, self._group())
-                parts = self.unpack_local(mine, name)
-                out.update({p: parts[p].to(self.leaves[p].dtype) for p in parts})
+                own = packed.unpack_own(mine, shapes, self.rank)
+                out.update({lp.path: x.to(lp.dtype) for lp, x in zip(split, own, strict=True)})
             whole = [lp for lp in members if not lp.packed]
             if whole:  # one all-reduce of them all, packed
                 gs = [flat[lp.path].to(dtype or flat[lp.path].dtype) for lp in whole]
@@ -327,71 +277,20 @@ class Plan:
                 out.update({lp.path: g.to(lp.dtype) for lp, g in zip(whole, summed, strict=True)})
         return tree.unflatten(self.treedef, [out[p] for p in self.leaves])
 
-    def pack_full(self, full: Any, bucket: str, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Full-size tensors of ``bucket``'s packed leaves cut into every rank's parts and packed rank by rank
-        (``(world * padded,)``, what a reduce-scatter splits: :meth:`unpack`'s inverse), in ``dtype``."""
-        flat = self._flat(full)
-        if not self.offsets[bucket]:  # no packed leaves (a Replicate bucket): nothing to scatter
-            return torch.zeros(0)
-        per_rank = []
-        for r in range(self.world):
-            pieces = []
-            for lp in self.members[bucket]:
-                if lp.packed:
-                    g = flat[lp.path]
-                    lo, hi = lp.rows[r]
-                    pieces.append(g.to(dtype or g.dtype).narrow(lp.dim, lo, hi - lo).reshape(-1))
-            used = sum(p.numel() for p in pieces)
-            pieces.append(pieces[0].new_zeros(self.padded[bucket] - used))
-            per_rank.append(torch.cat(pieces))
-        return torch.cat(per_rank)
+    def part_shapes(self, bucket: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """Each rank's part shape of each of ``bucket``'s packed leaves (``[leaf][rank]``, in the bucket's
+        order): the layout of its buffers (``ftitan.flexshard.packed``)."""
+        return tuple(tuple(lp.local_shape(r) for r in range(self.world)) for lp in self.members[bucket] if lp.packed)
 
     def gather_leaf(self, x: torch.Tensor, path: str) -> torch.Tensor:
-        """One leaf's full tensor from every rank's part ``x`` (this rank's): one all-gather of the parts, each
-        padded to the largest (not differentiable; e.g. an optimizer's whole-matrix input)."""
+        """One leaf's full tensor from every rank's part ``x`` (this rank's): one packed all-gather of the parts
+        (not differentiable; e.g. an optimizer's whole-matrix input)."""
         lp = self.leaves[path]
         if not lp.packed or self.world == 1:
             return x
-        n = max(lp.numel(r) for r in range(self.world))
-        flat = x.reshape(-1)
-        if flat.numel() < n:
-            flat = torch.cat([flat, flat.new_zeros(n - flat.numel())])
         with torch.no_grad():
-            every = C.all_gather(flat, self._group())
-        parts = [every[r * n : r * n + lp.numel(r)].view(lp.local_shape(r)) for r in range(self.world) if lp.numel(r)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=lp.dim)
-
-    def encode(self, buf: torch.Tensor, bucket: str) -> torch.Tensor:
-        """This rank's packed parts (:meth:`pack`) of a quantized bucket, blockwise-quantized: one ``uint8``
-        buffer of the bucket's padded byte length (each part's values, then its scales)."""
-        b = self.buckets[bucket]
-        pieces = [quant.encode(part, b.quantize, b.quant_block) for part in self.unpack_local(buf, bucket).values()]
-        used = sum(p.numel() for p in pieces)
-        pieces.append(torch.zeros(self.padded_bytes[bucket] - used, dtype=torch.uint8, device=buf.device))
-        return torch.cat(pieces)
-
-    def decode(self, gathered: torch.Tensor, bucket: str, dtype: torch.dtype) -> torch.Tensor:
-        """Every rank's :meth:`encode` buffer (``(world * padded_bytes,)``) back to the layout of an unquantized
-        all-gather of the packed parts (``(world * padded,)`` in ``dtype``)."""
-        b, n, nb = self.buckets[bucket], self.padded[bucket], self.padded_bytes[bucket]
-        out = torch.zeros(self.world * n, dtype=dtype, device=gathered.device)
-        for lp in self.members[bucket]:
-            if not lp.packed:
-                continue
-            for r in range(self.world):
-                if lp.numel(r):
-                    start = r * nb + self.byte_offsets[bucket][lp.path][r]
-                    part = gathered[start : start + quant.encoded_bytes(lp.local_shape(r), b.quant_block)]
-                    at = r * n + self.offsets[bucket][lp.path][r]
-                    out[at : at + lp.numel(r)] = quant.decode(part, lp.local_shape(r), b.quantize, b.quant_block,
-                                                              dtype).reshape(-1)  # fmt: skip
-        return out
-
-    def unpack_local(self, buf: torch.Tensor, bucket: str) -> dict[str, torch.Tensor]:
-        """This rank's parts of ``bucket``'s packed leaves from its own flat buffer."""
-        offs = self.offsets[bucket]
-        return {lp.path: buf[offs[lp.path][self.rank] : offs[lp.path][self.rank] + lp.numel(self.rank)].view(
-                    lp.local_shape(self.rank)) for lp in self.members[bucket] if lp.packed}  # fmt: skip
+            shapes = (tuple(lp.local_shape(r) for r in range(self.world)),)
+            return packed.packed_gather([x], shapes, [lp.dim], self._group())[0]
 
     def unshard(self, local: tree.Tree) -> tree.Tree:
         """The full params on every rank (e.g. to compare with a single-process run, or to save)."""
@@ -463,27 +362,6 @@ class Plan:
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}: {len(m)} leaves, {self.padded[name]} per rank" for name, m in self.members.items())
         return f"Plan(world={self.world}, rank={self.rank}; {parts})"
-
-
-class _QuantizedGather(torch.autograd.Function):
-    """A quantized bucket's all-gather: this rank's packed parts encoded (values and scales in one ``uint8``
-    buffer), all-gathered, decoded into the unquantized gather's layout. The backward is the unquantized
-    gather's: a reduce-scatter of the full-precision gradients (straight through the rounding)."""
-
-    @staticmethod
-    def forward(buf: torch.Tensor, plan: Plan, bucket: str) -> torch.Tensor:  # type: ignore[override]
-        encoded = plan.encode(buf, bucket)
-        gathered = encoded if plan.world == 1 else C._ag(encoded, 0, plan._group())
-        return plan.decode(gathered, bucket, buf.dtype)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.plan = inputs[1]
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
-        plan = ctx.plan
-        return (g if plan.world == 1 else C._rs(g, 0, plan._group())), None, None
 
 
 def _cat(xs: list[torch.Tensor]) -> torch.Tensor:  # flattened, one buffer (one dtype)

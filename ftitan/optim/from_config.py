@@ -28,7 +28,8 @@ def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, .
 
     ``frozen`` (a model's ``frozen`` globs) are left unchanged by the optimizer. The whole chain sits
     behind :func:`guard_nonfinite` (``o.nonfinite``), so its state is an ``ApplyIfFiniteState``.
-    Muon: ``blocks`` as in :func:`ftitan.optim.muon` (per head); under a parallel ``layout`` (DTensor params)
+    Muon: ``blocks`` as in :func:`ftitan.optim.muon` (per head). Under a parallel ``layout`` (DTensor params)
+    AdamW runs on the local shards (``parallel.on_shards``: elementwise, the same numbers), and
     ``muon="distributed"`` orthogonalizes each matrix on one rank (``ftitan.flexshard.mesh_muon``),
     ``"gather"`` on every rank (DTensor algebra gathers every matrix).
     """
@@ -46,13 +47,20 @@ def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, .
 
             impl = functools.partial(mesh_muon, layout)
         inner = muon_with_adamw(params, lr=lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
-                                shape_scaling="match_rms_adamw", blocks=blocks, muon_impl=impl)  # fmt: skip
+                                shape_scaling="match_rms_adamw", blocks=blocks, muon_impl=impl,
+                                adamw_impl=adamw if layout is None else _sharded_adamw)  # fmt: skip
     else:
-        inner = adamw(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
+        inner = (adamw if layout is None else _sharded_adamw)(lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay)
     if frozen:
         inner = chain(inner, freeze(frozen, missing_ok=True))  # a pipeline stage may hold none
     opt = chain(clip_by_global_norm(o.clip), inner) if o.clip > 0 else inner
     return guard_nonfinite(opt, o.nonfinite, max_nonfinite=o.max_nonfinite)
+
+
+def _sharded_adamw(*args: Any, **kwargs: Any) -> Transform:
+    from ftitan.flexshard.mesh_muon import sharded_adamw
+
+    return sharded_adamw(*args, **kwargs)
 
 
 def guard_nonfinite(opt: Transform, mode: str, *, max_nonfinite: int = 3) -> Transform:

@@ -82,6 +82,7 @@ def muon_with_adamw(
     nesterov_style: NesterovStyle = "torch",
     blocks: Blocks | None = None,
     muon_impl: Callable[..., Transform] = muon,
+    adamw_impl: Callable[..., Transform] = adamw,
 ) -> Transform:
     """Muon on hidden matrices, AdamW on embeddings, head, norms and biases.
 
@@ -92,8 +93,8 @@ def muon_with_adamw(
     ``adamw_lr``. AdamW betas default to (0.9, 0.95) as in Moonlight; ``eps``
     is AdamW's, ``ns_eps`` Newton-Schulz's norm clamp, and
     ``nesterov_style`` Muon's momentum convention and ``blocks`` its per-block matrices (per head; see
-    :func:`scale_by_muon`); ``muon_impl`` builds the Muon part (``ftitan.flexshard.muon_with_adamw``
-    passes the distributed one).
+    :func:`scale_by_muon`); ``muon_impl`` and ``adamw_impl`` build the two parts
+    (``ftitan.flexshard.muon_with_adamw`` passes a distributed Muon; the trainer an AdamW on local shards).
     Given ``params`` (or ``None``), the labels are resolved and checked now,
     so a bad labelling fails at construction rather than in the first step.
     """
@@ -115,7 +116,7 @@ def muon_with_adamw(
                 nesterov_style=nesterov_style,
                 blocks=blocks,
             ),
-            "adamw": adamw(
+            "adamw": adamw_impl(
                 lr if adamw_lr is None else adamw_lr,
                 b1=b1,
                 b2=b2,

@@ -26,7 +26,7 @@ from ftitan.parallel.init import init_params
 from ftitan.parallel.layout import Layout, current, use
 from ftitan.parallel.pipeline import pipeline_grad, schedule_actions, stage_layers, stage_params
 from ftitan.parallel.rules import Rules, Sharding, check_sharded, default_rules, dump, resolve, resolve_one
-from ftitan.parallel.shard import from_local, gathered, shard_params, to_local, unshard
+from ftitan.parallel.shard import from_local, gathered, on_shards, shard_params, to_local, unshard
 from ftitan.parallel.step import make_parallel_loss, make_train_step, shard_batch, sharding_of
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "dump",
     "expert",
     "from_local",
+    "on_shards",
     "gathered",
     "init_params",
     "make_parallel_loss",

@@ -35,7 +35,7 @@ from ftitan.parallel.rules import Rules, Sharding, check_sharded, local_slice, r
 if TYPE_CHECKING:
     from ftitan.train.precision import MixedPrecision
 
-__all__ = ["BUCKETS", "Buckets", "from_local", "gathered", "per_layer_bucket", "shard_params", "to_local", "unshard"]
+__all__ = ["BUCKETS", "Buckets", "from_local", "gathered", "on_shards", "per_layer_bucket", "shard_params", "to_local", "unshard"]
 
 # axes a weight may be stored split over but is gathered on for compute (tp / ep stay split)
 GATHERED_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")
@@ -73,7 +73,16 @@ def shard_params(
 
 def to_local(params: tree.Tree) -> tree.Tree:
     """This rank's shards, as plain tensors (non-DTensor leaves pass through)."""
-    return tree.map(lambda x: x.to_local() if isinstance(x, DTensor) else x, params)
+    return tree.map(local_shard, params)
+
+
+def local_shard(x: Any) -> Any:
+    """This rank's shard of a DTensor ``x`` (``to_local``; anything else as it is)."""
+    if not isinstance(x, DTensor):
+        return x
+    if not x.requires_grad and not torch.compiler.is_compiling():
+        return x._local_tensor  # what to_local returns, without its autograd node (~30 us a leaf)
+    return x.to_local()
 
 
 def from_local(local: tree.Tree, like: tree.Tree) -> tree.Tree:
@@ -82,9 +91,29 @@ def from_local(local: tree.Tree, like: tree.Tree) -> tree.Tree:
     def one(x: torch.Tensor, ref: Any) -> Any:
         if not isinstance(ref, DTensor):
             return x
+        if (x.dtype == ref.dtype and x.shape == ref._local_tensor.shape and not x.requires_grad
+                and not torch.compiler.is_compiling()):  # fmt: skip
+            # ref's spec as is (same mesh, placements, global shape and dtype): DTensor.from_local builds a
+            # new spec through an autograd node, ~0.1 ms a leaf, which an optimizer step pays per state leaf
+            return DTensor(x, ref._spec, requires_grad=False)
         return DTensor.from_local(x, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape, stride=ref.stride())
 
     return tree.map(one, local, like)
+
+
+def on_shards(transform: Any) -> Any:
+    """``transform`` (an ``ftitan.optim.Transform`` whose math is elementwise: AdamW, weight decay, a
+    learning rate, momentum) run on each DTensor's local shard: DTensors in and out (updates placed like the
+    gradients, state like the state it was given), plain tensors in between, so none of its ops pays
+    DTensor's dispatch. Its state is the inner transform's, leaf for leaf (a checkpoint does not see it)."""
+    from ftitan.optim.transform import Transform
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        updates, new_state = transform.update(to_local(grads), to_local(state),
+                                              None if params is None else to_local(params))  # fmt: skip
+        return from_local(updates, grads), from_local(new_state, state)
+
+    return Transform(transform.init, update)
 
 
 def unshard(params: tree.Tree) -> tree.Tree:
@@ -154,54 +183,6 @@ def _dtypes(path: str, x: torch.Tensor, precision: MixedPrecision | None) -> tup
     if precision is None or (precision.keep and precision.keeps(path)) or not x.is_floating_point():
         return x.dtype, x.dtype
     return precision.compute_dtype, precision.reduce_dtype
-
-
-class _PackedGather(torch.autograd.Function):
-    """A bucket's leaves stored split over ``dp_shard`` (evenly, one dim each): cast to the compute dtype,
-    packed into one buffer, all-gathered once, cut back into the gathered leaves. Backward: the gradients
-    cast to the reduce dtype, packed rank by rank, reduce-scattered once, all-reduced once per data axis
-    the leaves are replicated on, cut into the parts, cast to the parts' dtypes: :class:`_Unshard` for a
-    whole bucket at the price of one collective each way. ``quantize`` (``"int8"`` / ``"fp8"``): the parts
-    travel blockwise-quantized (``ftitan.flexshard.quant``: values and scales in one ``uint8`` buffer) and
-    arrive dequantized in the compute dtype; the backward is the same (full precision, straight through)."""
-
-    @staticmethod
-    def forward(dims, group, replicated, compute, reduce, quantize, *parts):  # type: ignore[override]
-        w = group.size()
-        if quantize is None:
-            every = C._ag(torch.cat([p.to(compute).reshape(-1) for p in parts]), 0, group).view(w, -1)
-            sizes = [p.numel() for p in parts]
-        else:
-            from ftitan.flexshard import quant
-
-            every = C._ag(torch.cat([quant.encode(p, quantize) for p in parts]), 0, group).view(w, -1)
-            sizes = [quant.encoded_bytes(p.shape, quant.BLOCK) for p in parts]
-        outs, at = [], 0
-        for p, dim, n in zip(parts, dims, sizes, strict=True):
-            if quantize is None:
-                blocks = every[:, at : at + n].reshape(w, *p.shape).unbind(0)
-            else:
-                blocks = [quant.decode(every[r, at : at + n], p.shape, quantize, quant.BLOCK, compute) for r in range(w)]
-            outs.append(torch.cat(blocks, dim=dim))
-            at += n
-        return tuple(outs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.dims, ctx.group, ctx.replicated, _compute, ctx.reduce, _quantize, *parts = inputs
-        ctx.shapes = [tuple(p.shape) for p in parts]
-        ctx.dtypes = [p.dtype for p in parts]
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor):  # type: ignore[override]
-        w = ctx.group.size()
-        rows = [torch.stack(g.to(ctx.reduce).chunk(w, dim=d)).reshape(w, -1) for g, d in zip(gs, ctx.dims, strict=True)]
-        mine = C._rs(torch.cat(rows, dim=1).reshape(-1), 0, ctx.group)
-        for group in ctx.replicated:
-            mine = C._ar(mine, group)
-        pieces = mine.split([math.prod(s) for s in ctx.shapes])
-        grads = [x.view(s).to(d) for x, s, d in zip(pieces, ctx.shapes, ctx.dtypes, strict=True)]
-        return (None, None, None, None, None, None, *grads)
 
 
 class _PackedReplicated(torch.autograd.Function):
@@ -274,10 +255,14 @@ class Buckets:
         for key, members in units.items():
             parts = [self.leaves[p][0] for p in members]
             groups = tuple(layout.group(a) for a in key[-3])
-            if key[0] == "packed":
-                dims = tuple(self.leaves[p][1].dim_of("dp_shard") for p in members)
-                outs = _PackedGather.apply(dims, layout.group("dp_shard"), groups, key[-2], key[-1], self.quantize,
-                                           *parts)  # fmt: skip
+            if key[0] == "packed":  # FlexShard's packed gather: even Shard parts over dp_shard
+                from ftitan.flexshard.packed import packed_gather
+
+                group = layout.group("dp_shard")
+                dims = [self.leaves[p][1].dim_of("dp_shard") for p in members]
+                outs = packed_gather(parts, [(tuple(x.shape),) * group.size() for x in parts], dims, group,
+                                     compute=key[-2], reduce=key[-1], replicated=groups,
+                                     quantize=self.quantize)  # fmt: skip
             else:
                 outs = _PackedReplicated.apply(groups, key[-2], key[-1], *parts)
             self.cache.update(zip(members, outs, strict=True))

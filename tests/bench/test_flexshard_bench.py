@@ -1,5 +1,6 @@
 """``ftitan bench flexshard --quick`` on 4 gloo ranks: one JSON object whose ratios follow from the figures it
-reports; the FSDP baseline gathers every Muon matrix where distributed Muon gathers none; the quantized
+reports; the FSDP baseline gathers every Muon matrix where distributed Muon gathers none (the trainer's
+distributed Muon sends shards to their owners and back: two all-to-alls); the quantized
 gathers send ~0.52x of bf16's bytes, one all-gather per bucket; the trainer's dp_shard step with per-layer
 buckets calls fewer collectives than with per-leaf ones."""
 
@@ -21,6 +22,10 @@ def test_quick_run_reports_honest_ratios(tmp_path, capsys):
     assert opt["fsdp"]["gathered_matrices"] > 0
     assert opt["fsdp"]["collectives"] == {"all_gather": opt["fsdp"]["gathered_matrices"]}
     assert opt["flexshard"]["collectives"] == {} and opt["flexshard"]["gathered_matrices"] == 0
+    tr = res["trainer_optimizer"]  # the trainer's Muon: two all-to-alls, against DTensor gathers (not ours)
+    assert ratios["trainer_optimizer distributed/gather"] == pytest.approx(
+        tr["distributed"]["median_s"] / tr["gather"]["median_s"])
+    assert tr["distributed"]["collectives"] == {"all_to_all": 2}
     gb = res["gather_bytes"]
     for fmt in ("int8", "fp8"):
         assert ratios[f"gather_bytes {fmt}/bf16"] == gb[fmt]["bytes_per_rank"] / gb["bf16"]["bytes_per_rank"] <= 0.52

@@ -1,5 +1,6 @@
 """FlexShard plans on one process: every rank's layout computed (``plan(..., world=, rank=)``), the collectives
-simulated by concatenating (all-gather) or summing (reduce-scatter) the ranks' packed buffers; the gathered
+simulated by stacking (all-gather) or summing (reduce-scatter) the ranks' packed buffers
+(``ftitan.flexshard.packed``: what its one collective sends and receives); the gathered
 leaves equal the full params bit for bit, the reduced gradients equal each rank's part of the sum."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 
 import ftitan as ft
 from ftitan import flexshard as fs
+from ftitan.flexshard import packed
 from ftitan.models import llama
 
 CFG = llama.Config(vocab_size=250, dim=48, n_layers=2, n_heads=3, n_kv_heads=1, ffn_dim=80, max_seq_len=32)
@@ -41,15 +43,20 @@ def test_gathering_every_ranks_parts_gives_the_full_leaves(policy: str, world: i
     locals_ = [p.shard(PARAMS) for p in plans]
     full = _flat(PARAMS)
     for name, bucket in plans[0].buckets.items():
-        gathered = torch.cat([p.pack(loc, name) for p, loc in zip(plans, locals_, strict=True)])  # an all-gather
-        leaves = plans[0].unpack(gathered, name)
-        for path, x in leaves.items():
-            want = full[path].to(bucket.gather_dtype or full[path].dtype)
-            assert torch.equal(x, want), (policy, world, path)
-        # this rank's parts: exactly what it stores, all of them different memory than the params
-        for r, (p, loc) in enumerate(zip(plans, locals_, strict=True)):
-            mine = p.unpack_local(p.pack(loc, name), name)
-            assert all(torch.equal(mine[k], _flat(loc)[k].to(mine[k].dtype)) for k in mine), (r, name)
+        paths = [lp.path for lp in plans[0].members[name] if lp.packed]
+        if not paths:
+            continue
+        shapes, dims = plans[0].part_shapes(name), [plans[0].leaves[p].dim for p in paths]
+        dtype = bucket.gather_dtype or full[paths[0]].dtype
+        bufs = [packed.pack([_flat(loc)[p] for p in paths], shapes, dtype) for loc in locals_]
+        assert len({b.numel() for b in bufs}) == 1 and bufs[0].numel() == plans[0].padded[name]  # one all-gather
+        leaves = packed.unpack(torch.stack(bufs), shapes, dims, dtype)  # every rank's buffer: an all-gather
+        for path, x in zip(paths, leaves, strict=True):
+            assert torch.equal(x, full[path].to(dtype)), (policy, world, path)
+        # each rank's parts are exactly what it stores
+        for r, loc in enumerate(locals_):
+            mine = packed.unpack_own(bufs[r], shapes, r)
+            assert all(torch.equal(m, _flat(loc)[p].to(dtype)) for p, m in zip(paths, mine, strict=True)), (r, name)
     # the parts add up to the whole, and a ragged dim is split as evenly as it goes
     sizes = [sum(x.numel() for x in ft.tree.leaves(loc)) for loc in locals_]
     replicated = sum(lp.numel(0) for lp in plans[0].leaves.values() if not lp.packed)
@@ -66,12 +73,17 @@ def test_reduced_gradients_are_each_ranks_part_of_the_sum(world: int):
     grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g), PARAMS) for _ in range(world)]
     total = ft.tree.map(lambda *xs: sum(xs[1:], xs[0]), *grads)
     for name in plans[0].buckets:
-        summed = sum(p.pack_full(gr, name) for p, gr in zip(plans, grads, strict=True))  # a reduce-scatter's input
+        paths = [lp.path for lp in plans[0].members[name] if lp.packed]
+        if not paths:
+            continue
+        shapes, dims = plans[0].part_shapes(name), [plans[0].leaves[p].dim for p in paths]
+        # a reduce-scatter's input: every rank's packed gradients, summed
+        summed = sum(packed.pack_grads([_flat(gr)[p] for p in paths], shapes, dims, torch.float32) for gr in grads)
         n = plans[0].padded[name]
-        for r, p in enumerate(plans):
-            mine = p.unpack_local(summed[r * n : (r + 1) * n], name)
+        for r in range(world):
+            mine = packed.unpack_own(summed[r * n : (r + 1) * n], shapes, r)
             want = fs.plan(PARAMS, POLICIES["mixed"](PARAMS), world=world, rank=r).shard(total)
-            for path, x in mine.items():
+            for path, x in zip(paths, mine, strict=True):
                 torch.testing.assert_close(x, _flat(want)[path], rtol=1e-6, atol=1e-6)
 
 

@@ -9,6 +9,7 @@ import torch
 
 import ftitan as ft
 from ftitan import flexshard as fs
+from ftitan.flexshard import packed
 from ftitan.flexshard import quant
 
 
@@ -44,9 +45,11 @@ def test_quantized_bucket_gathers_every_ranks_dequantized_parts():
     buckets = [fs.Bucket("n", fs.Replicate()), fs.Bucket("**", fs.Shard(0), quantize="int8", name="q")]
     world = 4
     plans = [fs.plan(params, buckets, world=world, rank=r) for r in range(world)]
-    encoded = [p.encode(p.pack(p.shard(params), "q"), "q") for p in plans]
-    assert len({e.numel() for e in encoded}) == 1  # padded alike: one all-gather
-    full = plans[0].unpack(plans[0].decode(torch.cat(encoded), "q", torch.float32), "q")
+    paths = [lp.path for lp in plans[0].members["q"]]
+    shapes, dims = plans[0].part_shapes("q"), [plans[0].leaves[p].dim for p in paths]
+    encoded = [packed.pack([p.shard(params)[k] for k in paths], shapes, torch.float32, "int8") for p in plans]
+    assert len({e.numel() for e in encoded}) == 1 and encoded[0].dtype == torch.uint8  # padded alike: one all-gather
+    full = dict(zip(paths, packed.unpack(torch.stack(encoded), shapes, dims, torch.float32, "int8"), strict=True))
     for path in ("w", "v"):
         # each rank quantized its own rows; rows are the blocks' direction, so it is the whole tensor's quantization
         want = quant.dequantize(*quant.quantize(params[path], "int8"), 128)

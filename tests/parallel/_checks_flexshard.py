@@ -343,7 +343,7 @@ CHECKS["flexshard_trainer_int8_dp4"] = lambda: trainer_quantized_check("flexshar
 
 
 def mesh_muon_check(name: str, degrees: dict[str, int], family: str = "llama", placement: str = "shard",
-                    steps: int = 3) -> dict:  # fmt: skip
+                    steps: int = 3, ns_dtype: torch.dtype = torch.float32) -> dict:  # fmt: skip
     """The trainer's distributed Muon (``flexshard.mesh_muon_with_adamw`` on DTensor state) against
     single-process ``muon_with_adamw`` with the same per-head ``blocks``, fed the same gradients (Newton-Schulz
     in fp32); and the trainer's former FSDP-only Muon (``ft.optim`` on DTensors: every rank orthogonalizes
@@ -358,7 +358,7 @@ def mesh_muon_check(name: str, degrees: dict[str, int], family: str = "llama", p
     blocks = mm.head_blocks(model)
     g = torch.Generator().manual_seed(5)
     grads = [ft.tree.map(lambda x: torch.randn(x.shape, generator=g) * 0.01, params) for _ in range(steps)]
-    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32, blocks=blocks)
+    kw = dict(lr=0.02, adamw_lr=1e-3, ns_dtype=ns_dtype, blocks=blocks)
     opt = ft.optim.muon_with_adamw(params, **kw)
     state, ref = opt.init(params), params
     for gr in grads:
@@ -424,7 +424,8 @@ def mesh_muon_train_check(name: str, steps: int = 12) -> dict:
 
 CHECKS.update({
     "mesh_muon_dp_shard4": lambda: mesh_muon_check("mesh_muon_dp_shard4", {"dp_shard": 4}),
-    "mesh_muon_dp_shard2_tp2": lambda: mesh_muon_check("mesh_muon_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
+    "mesh_muon_dp_shard2_tp2": lambda: mesh_muon_check("mesh_muon_dp_shard2_tp2", {"dp_shard": 2, "tp": 2},
+                                                       ns_dtype=torch.bfloat16),
     "mesh_muon_block_dp_shard4": lambda: mesh_muon_check("mesh_muon_block_dp_shard4", {"dp_shard": 4},
                                                          placement="block"),
     "mesh_muon_block_deepseek_dp_shard4": lambda: mesh_muon_check(

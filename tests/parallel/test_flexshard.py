@@ -106,8 +106,9 @@ def test_the_trainers_dp_shard_gathers_can_be_int8(parity_results):
                                   "mesh_muon_block_deepseek_dp_shard4"])
 def test_trainers_distributed_muon_equals_single_process_muon(parity_results, name):
     """The trainer's Muon on DTensor state (``flexshard.mesh_muon_with_adamw``), three steps fed the same
-    gradients as single-process ``muon_with_adamw`` with per-head blocks (Newton-Schulz in fp32): bit-exact,
-    with two all-to-alls a step (shards to owners, updates back) and no gather of every matrix.
+    gradients as single-process ``muon_with_adamw`` with per-head blocks (Newton-Schulz in fp32, and in bf16
+    for dp_shard 2 x tp 2: the shards then travel in bf16): bit-exact, with two all-to-alls a step (shards
+    to owners, orthogonalized shards back) and no gather of every matrix.
 
     FSDP rows (dp_shard 4; dp_shard 2 x tp 2: the matrices split over both axes, one group of 4): every
     matrix is owned. Block placement: whole heads per rank, so q and o are
