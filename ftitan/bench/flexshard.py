@@ -27,10 +27,8 @@ Times are medians over ``--rounds`` (after ``--warmup``) of the slowest rank (a 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +41,8 @@ from ftitan.bench import timing
 
 __all__ = ["GOALS", "Options", "main", "run"]
 
-GOALS = {"optimizer flexshard/fsdp": 0.30, "trainer_optimizer distributed/gather": 0.30, "gather_bytes int8/bf16": 0.52, "gather_bytes fp8/bf16": 0.52,
+GOALS = {"optimizer flexshard/fsdp": 0.30, "trainer_optimizer distributed/gather": 0.30,
+         "gather_bytes int8/bf16": 0.52, "gather_bytes fp8/bf16": 0.52,
          "step per_layer/per_leaf": 1.0}  # fmt: skip
 
 
@@ -142,7 +141,7 @@ def _trainer_optimizer_part(cfg: dict[str, Any], warmup: int, rounds: int) -> di
     orthogonalizes every matrix)."""
     import ftitan as ft
     from ftitan import parallel
-    from ftitan.flexshard import mesh_muon as mm
+    from ftitan.flexshard import mesh as mm
 
     model = _model(cfg)
     params = model.init(ft.random.key(0))
@@ -235,8 +234,7 @@ def _worker(spec: dict[str, Any]) -> None:
             result = part()
         except Exception as e:  # one part failing must not hide the others
             result = {"error": f"{type(e).__name__}: {e}"}
-        if dist.get_rank() == 0:
-            print("PART " + json.dumps({"part": name, **result}), flush=True)
+        timing.report("PART", name, result)
     parallel.shutdown()
 
 
@@ -263,17 +261,7 @@ def run(opts: Options) -> dict[str, Any]:
     cfg = _config(opts)
     warmup, rounds = (1, 1) if opts.quick else (opts.warmup, opts.rounds)
     spec = {"config": cfg, "warmup": warmup, "rounds": rounds}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTITAN_BENCH_SPEC": json.dumps(spec)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.nproc}",
-           "-m", "ftitan.bench.flexshard"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    results: dict[str, Any] = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("PART "):
-            r = json.loads(line[len("PART ") :])
-            results[r.pop("part")] = r
-    if proc.returncode != 0 or not results:
-        raise RuntimeError(f"bench flexshard: torchrun failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    results = timing.launch_ranks("ftitan.bench.flexshard", opts.nproc, spec, "PART", prog="bench flexshard")
     ratios = _ratios(results)
     gb = results.get("gather_bytes", {})
     errors = {name: r["error"] for name, r in results.items() if "error" in r}
@@ -299,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    spec_text = os.environ.get("FTITAN_BENCH_SPEC")
-    if spec_text is not None and "RANK" in os.environ:
-        _worker(json.loads(spec_text))
+    if (rank_spec := timing.rank_spec()) is not None:
+        _worker(rank_spec)
     else:
         sys.exit(main())

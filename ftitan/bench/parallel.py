@@ -19,10 +19,8 @@ volume and overhead, not scaling.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -183,8 +181,7 @@ def _worker(spec: dict[str, Any]) -> None:
             result = _worker_layout(spec["config"], parse_layout(text), spec["warmup"], spec["rounds"])
         except Exception as e:  # one layout failing must not hide the others
             result = {"error": f"{type(e).__name__}: {e}"}
-        if dist.get_rank() == 0:
-            print("LAYOUT " + json.dumps({"layout": text, **result}), flush=True)
+        timing.report("LAYOUT", text, result)
     parallel.shutdown()
 
 
@@ -203,16 +200,7 @@ def run(opts: Options) -> dict[str, Any]:
     if any(parse_layout(t).get("ep", 1) > 1 for t in opts.layouts):
         results["single-moe"] = _single(cfg, moe=True, warmup=warmup, rounds=rounds)
     spec = {"layouts": list(opts.layouts), "config": cfg, "warmup": warmup, "rounds": rounds}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FTITAN_BENCH_SPEC": json.dumps(spec)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={opts.nproc}",
-           "-m", "ftitan.bench.parallel"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("LAYOUT "):
-            r = json.loads(line[len("LAYOUT ") :])
-            results[r.pop("layout")] = r
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench parallel: torchrun failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    results.update(timing.launch_ranks("ftitan.bench.parallel", opts.nproc, spec, "LAYOUT", prog="bench parallel"))
     ratios = {}
     for text in opts.layouts:
         base = "single-moe" if parse_layout(text).get("ep", 1) > 1 else "single"
@@ -231,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    spec_text = os.environ.get("FTITAN_BENCH_SPEC")
-    if spec_text is not None and "RANK" in os.environ:
-        _worker(json.loads(spec_text))
+    if (rank_spec := timing.rank_spec()) is not None:
+        _worker(rank_spec)
     else:
         sys.exit(main())

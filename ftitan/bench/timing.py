@@ -15,6 +15,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,6 +29,9 @@ from ftitan import _cache
 __all__ = [
     "cli",
     "emit",
+    "launch_ranks",
+    "rank_spec",
+    "report",
     "time_steps",
     "ratios",
     "gemm_peak_flops",
@@ -212,3 +217,37 @@ def cli(options: type, run: Callable[[Any], Mapping[str, Any]], argv: list[str] 
     _cache.set_defaults()
     emit(run(opts), opts.out)
     return 0
+
+
+SPEC_ENV = "FTITAN_BENCH_SPEC"  # a multi-rank benchmark's spec, JSON, for its ranks
+
+
+def launch_ranks(module: str, nproc: int, spec: Mapping[str, Any], tag: str, *, prog: str) -> dict[str, Any]:
+    """``python -m module`` on ``nproc`` gloo ranks (one ``torchrun --standalone`` launch, one thread each),
+    ``spec`` handed to them as JSON (:func:`rank_spec`); the results rank 0 printed with :func:`report`
+    under ``tag``, by name. Raises naming ``prog`` with the launch's stderr if it failed or printed none."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", SPEC_ENV: json.dumps(spec)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    results: dict[str, Any] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(f"{tag} "):
+            r = json.loads(line[len(tag) + 1 :])
+            results[r.pop("name")] = r
+    if proc.returncode != 0 or not results:
+        raise RuntimeError(f"{prog}: torchrun failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+def rank_spec() -> dict[str, Any] | None:
+    """The spec :func:`launch_ranks` handed this process, when it is one of the launched ranks; else None."""
+    text = os.environ.get(SPEC_ENV)
+    return json.loads(text) if text is not None and "RANK" in os.environ else None
+
+
+def report(tag: str, name: str, result: Mapping[str, Any]) -> None:
+    """Rank 0 prints one result of a multi-rank benchmark for :func:`launch_ranks`."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        print(f"{tag} " + json.dumps({"name": name, **result}), flush=True)

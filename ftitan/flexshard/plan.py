@@ -31,6 +31,7 @@ __all__ = [
     "Plan",
     "Replicate",
     "Shard",
+    "balance",
     "newton_schulz_cost",
     "per_layer",
     "per_leaf",
@@ -173,16 +174,22 @@ def _leaf_plan(path: str, x: Any, bucket: Bucket, world: int) -> LeafPlan:
     return LeafPlan(path, shape, dtype, p, bucket.label, dim, rows)
 
 
-def _owners(leaves: list[LeafPlan], world: int) -> dict[str, int]:
-    """Owned leaves to ranks, the largest :func:`newton_schulz_cost` first, each to the least loaded rank
-    (ties: the lowest rank; equal costs in path order): deterministic, balanced."""
-    load = [0] * world
-    out = {}
-    for leaf in sorted(leaves, key=lambda lp: (-newton_schulz_cost(lp.shape), lp.path)):
-        r = min(range(world), key=lambda i: (load[i], i))
-        out[leaf.path] = r
-        load[r] += newton_schulz_cost(leaf.shape)
+def balance(costs: Sequence[int], world: int) -> list[int]:
+    """An owner rank for each item of ``costs``: the largest first, each to the least loaded rank (ties: the
+    lowest rank; equal costs in item order): deterministic, balanced (longest-processing-time first)."""
+    load, out = [0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[i] = r
+        load[r] += costs[i]
     return out
+
+
+def _owners(leaves: list[LeafPlan], world: int) -> dict[str, int]:
+    """Owned leaves to ranks by :func:`balance` of their :func:`newton_schulz_cost` (equal costs in path order)."""
+    leaves = sorted(leaves, key=lambda lp: lp.path)
+    return dict(zip((lp.path for lp in leaves), balance([newton_schulz_cost(lp.shape) for lp in leaves], world),
+                    strict=True))  # fmt: skip
 
 
 class Plan:

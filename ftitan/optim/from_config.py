@@ -30,7 +30,7 @@ def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, .
     behind :func:`guard_nonfinite` (``o.nonfinite``), so its state is an ``ApplyIfFiniteState``.
     Muon: ``blocks`` as in :func:`ftitan.optim.muon` (per head). Under a parallel ``layout`` (DTensor params)
     AdamW runs on the local shards (``parallel.on_shards``: elementwise, the same numbers), and
-    ``muon="distributed"`` orthogonalizes each matrix on one rank (``ftitan.flexshard.mesh_muon``),
+    ``muon="distributed"`` orthogonalizes each matrix on one rank (``ftitan.flexshard.mesh``),
     ``"gather"`` on every rank (DTensor algebra gathers every matrix).
     """
     final = o.lr * o.final_lr_fraction
@@ -43,7 +43,7 @@ def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, .
     if o.name == "muon":
         impl: Any = muon_transform
         if layout is not None and muon == "distributed":
-            from ftitan.flexshard.mesh_muon import mesh_muon
+            from ftitan.flexshard.mesh import mesh_muon
 
             impl = functools.partial(mesh_muon, layout)
         inner = muon_with_adamw(params, lr=lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2,
@@ -58,7 +58,7 @@ def from_config(o: OptimConfig, steps: int, params: Any, *, frozen: tuple[str, .
 
 
 def _sharded_adamw(*args: Any, **kwargs: Any) -> Transform:
-    from ftitan.flexshard.mesh_muon import sharded_adamw
+    from ftitan.flexshard.mesh import sharded_adamw
 
     return sharded_adamw(*args, **kwargs)
 

@@ -258,7 +258,8 @@ def scale_by_muon(
         kinds = [block_of(path, blocks) for path in paths]
         mats = [as_matrices(x, b, path) for path, x, b in zip(paths, inputs, kinds, strict=True)]
         ortho = orthogonalize(mats, steps=ns_steps, coefficients=coefficients, eps=eps, dtype=ns_dtype)
-        outputs = [scaled_update(o, g.dtype, g.shape, b, shape_scaling) for o, g, b in zip(ortho, gs, kinds, strict=True)]
+        outputs = [scaled_update(o, g.dtype, g.shape, b, shape_scaling)
+                   for o, g, b in zip(ortho, gs, kinds, strict=True)]  # fmt: skip
         new_state = MuonState(momentum=tree.unflatten(tree.structure(state.momentum), new_bufs), count=count)
         return tree.unflatten(treedef, outputs), new_state
 

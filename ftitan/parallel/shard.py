@@ -35,7 +35,8 @@ from ftitan.parallel.rules import Rules, Sharding, check_sharded, local_slice, r
 if TYPE_CHECKING:
     from ftitan.train.precision import MixedPrecision
 
-__all__ = ["BUCKETS", "Buckets", "from_local", "gathered", "on_shards", "per_layer_bucket", "shard_params", "to_local", "unshard"]
+__all__ = ["BUCKETS", "Buckets", "from_local", "gathered", "local_shard", "on_shards", "per_layer_bucket",
+           "shard_params", "to_local", "unshard"]  # fmt: skip
 
 # axes a weight may be stored split over but is gathered on for compute (tp / ep stay split)
 GATHERED_AXES: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp")

@@ -51,7 +51,7 @@ def optimizer_of(cfg: TrainConfig, model: Model, shapes: Any, layout: Any = None
     """``--optim.*`` over the trained leaves (Muon routes by their shapes); a model's frozen leaves
     (DeepSeek-V3's routing bias) are left unchanged. Muon under a parallel ``layout``: FlexShard's
     distributed Newton-Schulz (``--flexshard.muon``); ``--optim.muon-blocks heads``: per head."""
-    from ftitan.flexshard.mesh_muon import head_blocks
+    from ftitan.flexshard.mesh import head_blocks
 
     trainable = trainable_of(cfg)
     over = shapes if trainable is None else subset(trainable, shapes)

@@ -94,10 +94,10 @@ class Runtime:
     def use_placement(self, placement: str, model: Model) -> None:
         """FlexShard's storage placement for ``model``'s weights (``--flexshard.placement``): ``"shard"`` (the
         rules as they are: dp_shard splits each weight's model dim) or ``"block"`` (whole heads and experts
-        per dp_shard rank, ``ftitan.flexshard.mesh_muon.block_rules``). Before any params are placed."""
+        per dp_shard rank, ``ftitan.flexshard.mesh.block_rules``). Before any params are placed."""
         if self.layout is None or placement == "shard":
             return
-        from ftitan.flexshard.mesh_muon import block_rules
+        from ftitan.flexshard.mesh import block_rules
 
         self.layout = parallel.Layout(self.layout.mesh, block_rules(self.layout.rules, model, self.layout.sizes))
 

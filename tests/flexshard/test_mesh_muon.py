@@ -9,7 +9,7 @@ import torch
 
 import ftitan as ft
 from ftitan import parallel
-from ftitan.flexshard import mesh_muon as mm
+from ftitan.flexshard import mesh as mm
 from ftitan.models import deepseek_v3, llama
 
 

@@ -350,7 +350,7 @@ def mesh_muon_check(name: str, degrees: dict[str, int], family: str = "llama", p
     every matrix) as the baseline of the collectives."""
     from _checks_ep import FAMILIES
 
-    from ftitan.flexshard import mesh_muon as mm
+    from ftitan.flexshard import mesh as mm
 
     module, make_cfg = FAMILIES[family] if family != "llama" else (llama, tiny_llama)
     model = module.model(make_cfg())
@@ -396,7 +396,7 @@ def max_diff_of(a, b) -> float:
 def mesh_muon_train_check(name: str, steps: int = 12) -> dict:
     """``parallel.make_train_step`` on 4 dp_shard ranks with distributed Muon and int8 gathers (what
     ``ftitan train --recipe llama3-debug-muon-fsdp`` runs) against the single-process Muon step: losses."""
-    from ftitan.flexshard import mesh_muon as mm
+    from ftitan.flexshard import mesh as mm
 
     model = llama.model(tiny_llama())
     params = model.init(ft.random.key(0))
@@ -442,7 +442,7 @@ def mesh_muon_checkpoint_check(name: str, steps: int = 2) -> dict:
     import tempfile
 
     import ftitan.checkpoint as ckpt
-    from ftitan.flexshard import mesh_muon as mm
+    from ftitan.flexshard import mesh as mm
 
     model = llama.model(tiny_llama())
     params = model.init(ft.random.key(0))

@@ -111,9 +111,9 @@ def test_trainers_distributed_muon_equals_single_process_muon(parity_results, na
     to owners, orthogonalized shards back) and no gather of every matrix.
 
     FSDP rows (dp_shard 4; dp_shard 2 x tp 2: the matrices split over both axes, one group of 4): every
-    matrix is owned. Block placement: whole heads per rank, so q and o are
-    orthogonalized where they are (one of 4 heads a rank); wk / wv have 2 kv heads for 4 ranks, so they are owned. DeepSeek-V3 with
-    block placement: MLA's up-projections and output per head, and the expert stacks per expert, are local."""
+    matrix is owned. Block placement: whole heads per rank, so q and o are orthogonalized where they are
+    (one of 4 heads a rank); wk / wv have 2 kv heads for 4 ranks, so they are owned. DeepSeek-V3 with block
+    placement: MLA's up-projections and output per head, and the expert stacks per expert, are local."""
     r = parity_results[name]
     assert "error" not in r, r["error"]
     assert r["moved"] > 1e-3 and r["diff"] == 0.0 and r["muon_diff"] == 0.0

@@ -16,8 +16,9 @@ and per leaf this transform does the least work that gives them:
   ranks: two all-to-alls, each rank's Newton-Schulz work about ``1 / n`` of the model's (FSDP-only Muon,
   ``DTensor`` algebra: every rank gathers and orthogonalizes every matrix).
 
-Results equal single-process :func:`ftitan.optim.muon` with the same ``blocks`` (the same matrices, same
-batched calls by shape on each rank; float32 exchanges). The compute layout (who owns what) is a function
+Results equal single-process :func:`ftitan.optim.muon` with the same ``blocks``, bit for bit (the same
+matrices, batched by shape on each rank; the exchanges carry the Newton-Schulz dtype, which Newton-Schulz
+casts its input to first, and each rank casts and scales its own shard of the result). The compute layout (who owns what) is a function
 of the shapes and the mesh, not state: the momentum is stored like the params, so a checkpoint reshards to
 another layout as the params do, and the owners are recomputed there.
 """
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ftitan import tree
-from ftitan.flexshard.plan import newton_schulz_cost
+from ftitan.flexshard.plan import balance, newton_schulz_cost
 from ftitan.optim.adam import adamw
 from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.muon import (
@@ -64,7 +65,8 @@ from ftitan.parallel.rules import Rules
 from ftitan.parallel import shard as parallel_shard
 from ftitan.parallel.shard import from_local, on_shards
 
-__all__ = ["block_rules", "head_blocks", "mesh_muon", "mesh_muon_with_adamw", "muon_kind", "scale_by_mesh_muon", "sharded_adamw"]
+__all__ = ["block_rules", "head_blocks", "mesh_muon", "mesh_muon_with_adamw", "muon_kind", "scale_by_mesh_muon",
+           "sharded_adamw"]  # fmt: skip
 
 HEAD_AXES = {"heads": "n_heads", "kv_heads": "n_kv_heads"}  # logical axis -> the model config's head count
 
@@ -81,8 +83,7 @@ def head_blocks(model: Any) -> dict[str, tuple[int, int]]:
         for d in (x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else ():
             count = getattr(cfg, HEAD_AXES.get(axes[d] or "", ""), None)
             if count and x.shape[d] % count == 0:
-                glob = ".".join("*" if part.isdigit() else part for part in path.split("."))
-                out.setdefault(glob, (d - x.ndim, x.shape[d] // count))
+                out.setdefault(_glob(path), (d - x.ndim, x.shape[d] // count))
                 return
 
     tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
@@ -111,12 +112,17 @@ def block_rules(rules: Rules, model: Any, sizes: Mapping[str, int]) -> Rules:
         per_dim = tuple(("dp_shard",) if d == heads[0] else
                         tuple(a for a in (rules.mesh_axes(ax) if ax else ()) if a != "dp_shard")
                         for d, ax in enumerate(axes))  # fmt: skip
-        overrides.setdefault(".".join("*" if part.isdigit() else part for part in path.split(".")), per_dim)
+        overrides.setdefault(_glob(path), per_dim)
 
     tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
     for pattern, per_dim in overrides.items():
         rules = rules.with_override(pattern, per_dim)
     return rules
+
+
+def _glob(path: str) -> str:
+    """``path`` with its layer index as ``*``: one pattern for that leaf of every layer."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
 
 
 def _split_axes(x: Any) -> tuple[str, ...]:
@@ -177,16 +183,6 @@ class _Group:
     def whole_shape(self, x: DTensor, local_shape: Sequence[int]) -> tuple[int, ...]:
         dims = _dims(x)
         return tuple(n * math.prod(self.sizes[a] for a in self.axes if dims[a] == d) for d, n in enumerate(local_shape))
-
-
-def _owners(costs: Sequence[int], world: int) -> list[int]:
-    """Each item's owner: the largest cost first, each to the least loaded rank (ties: the lowest rank)."""
-    load, out = [0] * world, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[i] = r
-        load[r] += costs[i]
-    return out
 
 
 def scale_by_mesh_muon(
@@ -309,7 +305,7 @@ def _exchange(group: _Group, members: list[int], gs: list[Any], inputs: list[tor
     wholes = [group.whole_shape(gs[i], s) for i, s in zip(members, shapes, strict=True)]
     like = [as_matrices(torch.empty(w, device="meta"), blocks_of[i], paths[i])
             for i, w in zip(members, wholes, strict=True)]  # fmt: skip
-    owners = _owners([newton_schulz_cost(m.shape) for m in like], group.world)
+    owners = balance([newton_schulz_cost(m.shape) for m in like], group.world)
     x0 = inputs[members[0]]
     ex = _Exchange(group, members, owners, shapes, wholes, [tuple(m.shape[-2:]) for m in like],
                    torch.empty(0, dtype=dtype, device=x0.device))  # fmt: skip
