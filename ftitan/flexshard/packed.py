@@ -90,16 +90,27 @@ def unpack_own(buf: torch.Tensor, shapes: Shapes, rank: int) -> list[torch.Tenso
     return [x.view(per_rank[rank]) for x, per_rank in zip(buf[: sum(own)].split(own), shapes, strict=True)]
 
 
+def _even(shapes: Shapes | None, group: DeviceMesh | None, parts: Sequence[torch.Tensor]) -> Shapes:
+    """``shapes``, or for ``None`` every rank's part shaped like this rank's (read inside the Function, so
+    a traced step sees the parts' sizes as its own, not as constants of the call)."""
+    if shapes is not None:
+        return shapes
+    world = 1 if group is None else group.size()
+    return tuple((tuple(p.shape),) * world for p in parts)
+
+
 class _PackedGather(torch.autograd.Function):
     @staticmethod
     def forward(shapes, dims, group, replicated, compute, reduce, quantize, block, *parts):  # type: ignore[override]
+        shapes = _even(shapes, group, parts)
         buf = pack(parts, shapes, compute, quantize, block)
         every = buf if group is None else C._ag(buf, 0, group)
         return tuple(unpack(every.view(-1, buf.numel()), shapes, dims, compute, quantize, block))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.shapes, ctx.dims, ctx.group, ctx.replicated, _compute, ctx.reduce, _quantize, _block, *parts = inputs
+        shapes, ctx.dims, ctx.group, ctx.replicated, _compute, ctx.reduce, _quantize, _block, *parts = inputs
+        ctx.shapes = _even(shapes, ctx.group, parts)
         ctx.dtypes = [p.dtype for p in parts]
 
     @staticmethod
@@ -116,7 +127,7 @@ class _PackedGather(torch.autograd.Function):
 
 def packed_gather(
     parts: Sequence[torch.Tensor],
-    shapes: Shapes,
+    shapes: Shapes | None,
     dims: Sequence[int],
     group: DeviceMesh | None,
     *,
@@ -127,12 +138,15 @@ def packed_gather(
     block: quant.Block = quant.BLOCK,
 ) -> tuple[torch.Tensor, ...]:
     """The whole leaves whose parts on this rank are ``parts`` (see the module docstring): ``shapes[k][r]``
-    is rank ``r``'s part of leaf ``k``, concatenated along ``dims[k]``; ``compute`` (default: the first
+    is rank ``r``'s part of leaf ``k`` (``None``: every rank's is shaped like this rank's, an even split),
+    concatenated along ``dims[k]``; ``compute`` (default: the first
     part's dtype) is what travels and what the leaves are in, ``reduce`` (default: ``compute``) what their
     gradients are summed in; ``replicated``: groups the gradients are also all-reduced over; ``quantize``
     (``"int8"`` / ``"fp8"``): the parts travel blockwise-quantized, a scale per ``block`` (values of a row,
     or ``(rows, cols)`` tiles). ``group=None``: one
     rank (no collective). Differentiable; traceable by ``torch.compile``."""
     compute = compute or parts[0].dtype
-    return _PackedGather.apply(tuple(tuple(tuple(s) for s in per_rank) for per_rank in shapes), tuple(dims), group,
+    if shapes is not None:
+        shapes = tuple(tuple(tuple(s) for s in per_rank) for per_rank in shapes)
+    return _PackedGather.apply(shapes, tuple(dims), group,
                                tuple(replicated), compute, reduce or compute, quantize, block, *parts)  # fmt: skip

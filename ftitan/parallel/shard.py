@@ -74,11 +74,13 @@ def shard_params(
 
 def to_local(params: tree.Tree) -> tree.Tree:
     """This rank's shards, as plain tensors (non-DTensor leaves pass through)."""
-    return tree.map(local_shard, params)
+    return tree.map(lambda x: x.to_local() if isinstance(x, DTensor) else x, params)
 
 
 def local_shard(x: Any) -> Any:
-    """This rank's shard of a DTensor ``x`` (``to_local``; anything else as it is)."""
+    """This rank's shard of a DTensor ``x`` for eager optimizer math (``to_local`` without its autograd node
+    where nothing needs one; anything else as it is). Not for a traced step's inputs: the tensor it returns
+    may be a view, which a compiled step would guard on."""
     if not isinstance(x, DTensor):
         return x
     if not x.requires_grad and not torch.compiler.is_compiling():
@@ -110,8 +112,8 @@ def on_shards(transform: Any) -> Any:
     from ftitan.optim.transform import Transform
 
     def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        updates, new_state = transform.update(to_local(grads), to_local(state),
-                                              None if params is None else to_local(params))  # fmt: skip
+        local = lambda t: tree.map(local_shard, t)  # noqa: E731
+        updates, new_state = transform.update(local(grads), local(state), None if params is None else local(params))
         return from_local(updates, grads), from_local(new_state, state)
 
     return Transform(transform.init, update)
@@ -261,7 +263,7 @@ class Buckets:
 
                 group = layout.group("dp_shard")
                 dims = [self.leaves[p][1].dim_of("dp_shard") for p in members]
-                outs = packed_gather(parts, [(tuple(x.shape),) * group.size() for x in parts], dims, group,
+                outs = packed_gather(parts, None, dims, group,
                                      compute=key[-2], reduce=key[-1], replicated=groups,
                                      quantize=self.quantize)  # fmt: skip
             else:
