@@ -139,14 +139,13 @@ def packed_gather(
 ) -> tuple[torch.Tensor, ...]:
     """The whole leaves whose parts on this rank are ``parts`` (see the module docstring): ``shapes[k][r]``
     is rank ``r``'s part of leaf ``k`` (``None``: every rank's is shaped like this rank's, an even split),
-    concatenated along ``dims[k]``; ``compute`` (default: the first
-    part's dtype) is what travels and what the leaves are in, ``reduce`` (default: ``compute``) what their
-    gradients are summed in; ``replicated``: groups the gradients are also all-reduced over; ``quantize``
-    (``"int8"`` / ``"fp8"``): the parts travel blockwise-quantized, a scale per ``block`` (values of a row,
-    or ``(rows, cols)`` tiles). ``group=None``: one
-    rank (no collective). Differentiable; traceable by ``torch.compile``."""
+    concatenated along ``dims[k]``; ``compute`` (default: the first part's dtype) is what travels and what
+    the leaves are in, ``reduce`` (default: ``compute``) what their gradients are summed in; ``replicated``:
+    groups the gradients are also all-reduced over; ``quantize`` (``"int8"`` / ``"fp8"``): the parts travel
+    blockwise-quantized, a scale per ``block`` (values of a row, or ``(rows, cols)`` tiles).
+    ``group=None``: one rank (no collective). Differentiable; traceable by ``torch.compile``."""
     compute = compute or parts[0].dtype
     if shapes is not None:
         shapes = tuple(tuple(tuple(s) for s in per_rank) for per_rank in shapes)
-    return _PackedGather.apply(shapes, tuple(dims), group,
-                               tuple(replicated), compute, reduce or compute, quantize, block, *parts)  # fmt: skip
+    return _PackedGather.apply(shapes, tuple(dims), group, tuple(replicated), compute, reduce or compute, quantize,
+                               block, *parts)  # fmt: skip
