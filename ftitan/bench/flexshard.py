@@ -139,6 +139,8 @@ def _trainer_optimizer_part(cfg: dict[str, Any], warmup: int, rounds: int) -> di
     distributed Muon (``flexshard.mesh_muon``: each matrix orthogonalized by its owner, two all-to-alls)
     against the trainer's former FSDP-only Muon (``ft.optim`` on DTensors: every rank gathers and
     orthogonalizes every matrix)."""
+    from torch.distributed.tensor.experimental import implicit_replication
+
     import ftitan as ft
     from ftitan import parallel
     from ftitan.flexshard import mesh as mm
@@ -157,8 +159,6 @@ def _trainer_optimizer_part(cfg: dict[str, Any], warmup: int, rounds: int) -> di
         state = opt.init(sharded)
 
         def update() -> None:
-            from torch.distributed.tensor.experimental import implicit_replication
-
             with implicit_replication():  # as parallel.make_train_step runs it
                 opt.update(sharded_grads, state, sharded)
 

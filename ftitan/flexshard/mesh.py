@@ -38,7 +38,6 @@ from torch.distributed.tensor import DTensor, Shard
 from ftitan import tree
 from ftitan.flexshard.plan import balance, newton_schulz_cost
 from ftitan.optim.adam import adamw
-from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.muon import (
     DEFAULT_COEFFICIENTS,
     Blocks,
@@ -49,15 +48,16 @@ from ftitan.optim.muon import (
     block_of,
     check_arguments,
     from_matrices,
+    init_state,
     momentum_step,
+    muon_chain,
     muon_shape_scale,
     orthogonalize,
     scaled_update,
 )
 from ftitan.optim.muon_adamw import muon_with_adamw as _muon_with_adamw
 from ftitan.optim.schedules import Schedule
-from ftitan.optim.transform import Transform, Updates, accumulator_dtype, chain, state_device
-from ftitan.optim.weight_decay import add_decayed_weights
+from ftitan.optim.transform import Transform, Updates
 from ftitan.parallel import collectives as C
 from ftitan.parallel.dims import AXES
 from ftitan.parallel.layout import Layout
@@ -71,22 +71,31 @@ __all__ = ["block_rules", "head_blocks", "mesh_muon", "mesh_muon_with_adamw", "m
 HEAD_AXES = {"heads": "n_heads", "kv_heads": "n_kv_heads"}  # logical axis -> the model config's head count
 
 
+def _head_dims(model: Any) -> dict[str, tuple[int, int, tuple[str | None, ...], tuple[int, ...]]]:
+    """``{path: (dim, heads, logical axes, shape)}`` of ``model``'s matrices with a ``heads`` / ``kv_heads`` logical
+    axis on one of their two matrix dims (the first such dim), expert stacks aside; ``heads``: the config's
+    count of that axis."""
+    from ftitan import random
+
+    out = {}
+
+    def one(path: str, x: Any, axes: tuple[str | None, ...]) -> None:
+        dims = [d for d in range(max(0, x.ndim - 2), x.ndim) if axes[d] in HEAD_AXES]
+        if dims and "experts" not in axes:
+            out[path] = (dims[0], getattr(model.config, HEAD_AXES[axes[dims[0]]], 0), tuple(axes), tuple(x.shape))
+
+    tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
+    return out
+
+
 def head_blocks(model: Any) -> dict[str, tuple[int, int]]:
     """``blocks`` for per-head Muon on ``model`` (a ``ftitan.models.Model``): every matrix with a
     ``heads`` / ``kv_heads`` logical axis on one of its two matrix dims (q/k/v/o projections, MLA's
     up-projections), cut into that many blocks along it; one glob per leaf name (the layer index as ``*``)."""
-    from ftitan import random
-
-    cfg, out = model.config, {}
-
-    def one(path: str, x: Any, axes: tuple[str | None, ...]) -> None:
-        for d in (x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else ():
-            count = getattr(cfg, HEAD_AXES.get(axes[d] or "", ""), None)
-            if count and x.shape[d] % count == 0:
-                out.setdefault(_glob(path), (d - x.ndim, x.shape[d] // count))
-                return
-
-    tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
+    out: dict[str, tuple[int, int]] = {}
+    for path, (d, heads, _, shape) in _head_dims(model).items():
+        if heads and shape[d] % heads == 0:
+            out.setdefault(_glob(path), (d - len(shape), shape[d] // heads))
     return out
 
 
@@ -97,24 +106,16 @@ def block_rules(rules: Rules, model: Any, sizes: Mapping[str, int]) -> Rules:
     along their expert dim (per-expert Muon is local). Only where the axis has no other split (``tp`` for
     heads, ``ep`` for experts, size 1 in ``sizes``): DTensor splits one dim over several mesh axes outermost
     first, and ``dp_shard`` is outer to ``tp`` and ``ep``, so their blocks would interleave."""
-    from ftitan import random
-
     if sizes.get("ep", 1) == 1:
         rules = rules.with_rule("experts", (*rules.mesh_axes("experts"), "dp_shard"))
     if sizes.get("tp", 1) > 1:
         return rules
     overrides: dict[str, tuple[tuple[str, ...], ...]] = {}
-
-    def one(path: str, x: Any, axes: tuple[str | None, ...]) -> None:
-        heads = [d for d in range(max(0, x.ndim - 2), x.ndim) if axes[d] in HEAD_AXES]
-        if not heads or "experts" in axes:
-            return
-        per_dim = tuple(("dp_shard",) if d == heads[0] else
+    for path, (d, _, axes, _) in _head_dims(model).items():
+        per_dim = tuple(("dp_shard",) if i == d else
                         tuple(a for a in (rules.mesh_axes(ax) if ax else ()) if a != "dp_shard")
-                        for d, ax in enumerate(axes))  # fmt: skip
+                        for i, ax in enumerate(axes))  # fmt: skip
         overrides.setdefault(_glob(path), per_dim)
-
-    tree.map_with_path(one, model.init(random.key(0), device="meta"), model.param_axes)
     for pattern, per_dim in overrides.items():
         rules = rules.with_override(pattern, per_dim)
     return rules
@@ -210,16 +211,7 @@ def scale_by_mesh_muon(
                 meshes[combo] = layout.mesh[combo[0]] if k == 1 else layout.mesh[combo]._flatten("_".join(combo))
 
     def init(params: Any) -> MuonState:
-        def zeros(path: str, p: torch.Tensor) -> torch.Tensor:
-            if p.ndim < 2:
-                raise ValueError(f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(p.shape)}; route "
-                                 "vectors to AdamW (flexshard.mesh_muon_with_adamw)")  # fmt: skip
-            return torch.zeros_like(p, dtype=accumulator_dtype(p))
-
-        bufs = tree.map_with_path(zeros, params)
-        if nesterov_style == "torch":
-            return MuonState(momentum=bufs)
-        return MuonState(momentum=bufs, count=torch.zeros((), dtype=torch.int64, device=state_device(params)))
+        return init_state(params, nesterov_style, fix="flexshard.mesh_muon_with_adamw")
 
     def update(grads: Updates, state: MuonState, params: Any = None) -> tuple[Updates, MuonState]:
         del params
@@ -326,29 +318,13 @@ def _exchange(group: _Group, members: list[int], gs: list[Any], inputs: list[tor
     return ex
 
 
-def mesh_muon(
-    layout: Layout | None,
-    lr: float | torch.Tensor | Schedule,
-    weight_decay: float | torch.Tensor = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_dtype: torch.dtype = torch.bfloat16,
-    shape_scaling: ShapeScaling = "original",
-    *,
-    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
-    eps: float = 1e-7,
-    nesterov_style: NesterovStyle = "torch",
-    blocks: Blocks | None = None,
-) -> Transform:
-    """:func:`ftitan.optim.muon` over ``layout``'s DTensor params: distributed Newton-Schulz (see the
-    module docstring), elementwise rest on the shards."""
-    return chain(  # ft.optim.muon's chain, so the state is the same leaf for leaf (a checkpoint reads either)
-        scale_by_mesh_muon(layout, momentum, nesterov, ns_steps, ns_dtype, shape_scaling, coefficients=coefficients,
-                           eps=eps, nesterov_style=nesterov_style, blocks=blocks),  # fmt: skip
-        on_shards(add_decayed_weights(weight_decay)),
-        on_shards(scale_by_learning_rate(lr)),
-    )
+def mesh_muon(layout: Layout | None, lr: float | torch.Tensor | Schedule, weight_decay: float | torch.Tensor = 0.1,
+              **kwargs: Any) -> Transform:  # fmt: skip
+    """:func:`ftitan.optim.muon` over ``layout``'s DTensor params: distributed Newton-Schulz (see the module
+    docstring), weight decay and learning rate on the local shards; the other keyword arguments are
+    :func:`scale_by_mesh_muon`'s (``ft.optim.scale_by_muon``'s). Its state is ``ft.optim.muon``'s leaf for
+    leaf (a checkpoint reads either)."""
+    return muon_chain(scale_by_mesh_muon(layout, **kwargs), lr, weight_decay, elementwise=on_shards)
 
 
 def mesh_muon_with_adamw(layout: Layout | None, params: Any = None, **kwargs: Any) -> Transform:

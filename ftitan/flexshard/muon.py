@@ -35,15 +35,15 @@ from ftitan.optim.muon import (
     as_matrices,
     block_of,
     check_arguments,
+    init_state,
     momentum_step,
+    muon_chain,
     orthogonalize,
     scaled_update,
 )
-from ftitan.optim.learning_rate import scale_by_learning_rate
 from ftitan.optim.muon_adamw import muon_with_adamw as _muon_with_adamw
 from ftitan.optim.schedules import Schedule
-from ftitan.optim.transform import Transform, Updates, accumulator_dtype, chain, state_device
-from ftitan.optim.weight_decay import add_decayed_weights
+from ftitan.optim.transform import Transform, Updates
 
 __all__ = ["local_kind", "muon", "muon_with_adamw", "scale_by_muon"]
 
@@ -82,15 +82,7 @@ def scale_by_muon(
     check_arguments(momentum, nesterov_style, shape_scaling)
 
     def init(params: Any) -> MuonState:
-        paths, xs, _ = tree.flatten_with_paths(params)
-        for path in paths:
-            if len(plan.leaves[path].shape) < 2:
-                raise ValueError(f"{path}: Muon needs matrices (ndim >= 2), got shape {plan.leaves[path].shape}; "
-                                 f"route vectors to AdamW (flexshard.muon_with_adamw)")  # fmt: skip
-        bufs = tree.map(lambda x: torch.zeros_like(x, dtype=accumulator_dtype(x)), params)
-        if nesterov_style == "torch":
-            return MuonState(momentum=bufs)
-        return MuonState(momentum=bufs, count=torch.zeros((), dtype=torch.int64, device=state_device(params)))
+        return init_state(params, nesterov_style, fix="flexshard.muon_with_adamw")
 
     def update(grads: Updates, state: MuonState, params: Any = None) -> tuple[Updates, MuonState]:
         del params
@@ -124,28 +116,11 @@ def scale_by_muon(
     return Transform(init, update)
 
 
-def muon(
-    plan: Plan,
-    lr: float | torch.Tensor | Schedule,
-    weight_decay: float | torch.Tensor = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_dtype: torch.dtype = torch.bfloat16,
-    shape_scaling: ShapeScaling = "original",
-    *,
-    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
-    eps: float = 1e-7,
-    nesterov_style: NesterovStyle = "torch",
-    blocks: Blocks | None = None,
-) -> Transform:
-    """:func:`ftitan.optim.muon` over ``plan``'s local parts: distributed Newton-Schulz, elementwise rest."""
-    return chain(
-        scale_by_muon(plan, momentum, nesterov, ns_steps, ns_dtype, shape_scaling, coefficients=coefficients,
-                      eps=eps, nesterov_style=nesterov_style, blocks=blocks),  # fmt: skip
-        add_decayed_weights(weight_decay),
-        scale_by_learning_rate(lr),
-    )
+def muon(plan: Plan, lr: float | torch.Tensor | Schedule, weight_decay: float | torch.Tensor = 0.1,
+         **kwargs: Any) -> Transform:  # fmt: skip
+    """:func:`ftitan.optim.muon` over ``plan``'s local parts: distributed Newton-Schulz, elementwise rest; the
+    other keyword arguments are :func:`scale_by_muon`'s (``ft.optim.scale_by_muon``'s)."""
+    return muon_chain(scale_by_muon(plan, **kwargs), lr, weight_decay)
 
 
 def muon_with_adamw(plan: Plan, params: Any = None, **kwargs: Any) -> Transform:

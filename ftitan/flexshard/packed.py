@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ftitan.flexshard import quant
 from ftitan.parallel import collectives as C
 
-__all__ = ["pack", "pack_grads", "packed_gather", "padded_length", "unpack", "unpack_own"]
+__all__ = ["pack", "pack_grads", "packed_gather", "padded_length", "replicated", "unpack", "unpack_own"]
 
 Shapes = tuple[tuple[tuple[int, ...], ...], ...]  # per leaf, each rank's part shape
 
@@ -149,3 +149,32 @@ def packed_gather(
         shapes = tuple(tuple(tuple(s) for s in per_rank) for per_rank in shapes)
     return _PackedGather.apply(shapes, tuple(dims), group, tuple(replicated), compute, reduce or compute, quantize,
                                block, *parts)  # fmt: skip
+
+
+class _Replicated(torch.autograd.Function):
+    @staticmethod
+    def forward(groups, compute, reduce, *parts):  # type: ignore[override]
+        return tuple(p.to(compute).view_as(p) for p in parts)  # (a view: a Function must not return its input)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.groups, _compute, ctx.reduce, *parts = inputs
+        ctx.shapes = [tuple(p.shape) for p in parts]
+        ctx.dtypes = [p.dtype for p in parts]
+
+    @staticmethod
+    def backward(ctx: Any, *gs: torch.Tensor):  # type: ignore[override]
+        flat = torch.cat([g.to(ctx.reduce).reshape(-1) for g in gs])
+        for group in ctx.groups:
+            flat = C._ar(flat, group)
+        pieces = flat.split([math.prod(s) for s in ctx.shapes])
+        return (None, None, None, *[x.view(s).to(d) for x, s, d in zip(pieces, ctx.shapes, ctx.dtypes, strict=True)])
+
+
+def replicated(parts: Sequence[torch.Tensor], groups: Sequence[DeviceMesh], *, compute: torch.dtype | None = None,
+               reduce: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A bucket's leaves every rank holds whole (norm scales): cast to ``compute`` (default: the first
+    part's dtype); backward: their gradients packed in ``reduce`` (default: ``compute``) and all-reduced
+    once per group in ``groups`` (the groups whose ranks saw other data), returned in the parts' dtypes."""
+    compute = compute or parts[0].dtype
+    return _Replicated.apply(tuple(groups), compute, reduce or compute, *parts)

@@ -250,8 +250,9 @@ class Plan:
             out = dict(zip((lp.path for lp in members), outs, strict=True))
         whole = [lp for lp in self.members[bucket] if not lp.packed]
         if whole:  # every rank holds them: the identity, whose gradient is one all-reduce of them all, packed
-            xs = [flat[lp.path].to(b.gather_dtype or flat[lp.path].dtype) for lp in whole]
-            same = _unflat(C.grad_all_reduce(_cat(xs), self._group()), xs)
+            parts = [flat[lp.path] for lp in whole]
+            group = self._group()
+            same = packed.replicated(parts, () if group is None else (group,), compute=b.gather_dtype or parts[0].dtype)
             out.update(zip((lp.path for lp in whole), same, strict=True))
         return {lp.path: out[lp.path] for lp in self.members[bucket]}
 

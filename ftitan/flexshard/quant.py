@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "Block", "decode", "dequantize", "encode", "encoded_bytes", "error_bound", "n_scales", "quantize"]
+__all__ = ["BLOCK", "FORMATS", "Block", "decode", "dequantize", "encode", "encoded_bytes", "error_bound", "n_scales",
+           "quantize"]  # fmt: skip
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS: dict[str, tuple[torch.dtype, float]] = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}

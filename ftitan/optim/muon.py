@@ -17,7 +17,7 @@ orthogonalized in a single batched Newton-Schulz call.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -39,8 +39,10 @@ __all__ = [
     "block_of",
     "check_arguments",
     "from_matrices",
+    "init_state",
     "momentum_step",
     "muon",
+    "muon_chain",
     "muon_shape_scale",
     "newton_schulz_input",
     "orthogonalize",
@@ -194,6 +196,32 @@ def orthogonalize(
     return out
 
 
+def init_state(params: Params, nesterov_style: NesterovStyle, *, fix: str = "multi_transform / muon_with_adamw"
+               ) -> MuonState:  # fmt: skip
+    """Muon's state for ``params`` (whole leaves, or any rank's parts of them: the same ndim): zero momentum
+    in the accumulator dtype, and a step count for ``nesterov_style="optax"``. A leaf with ndim < 2 is
+    refused, naming ``fix`` (how to route vectors to AdamW)."""
+
+    def zeros(path: str, p: torch.Tensor) -> torch.Tensor:
+        if p.ndim < 2:
+            raise ValueError(f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(p.shape)}; route vectors "
+                             f"to AdamW with {fix}")  # fmt: skip
+        return torch.zeros_like(p, dtype=accumulator_dtype(p))
+
+    momentum_bufs = tree.map_with_path(zeros, params)
+    if nesterov_style == "torch":
+        return MuonState(momentum=momentum_bufs)
+    return MuonState(momentum=momentum_bufs, count=torch.zeros((), dtype=torch.int64, device=state_device(params)))
+
+
+def muon_chain(scale: Transform, lr: float | torch.Tensor | Schedule, weight_decay: float | torch.Tensor,
+               elementwise: Callable[[Transform], Transform] = lambda t: t) -> Transform:  # fmt: skip
+    """Muon from its scaling stage (a ``scale_by_muon``): ``chain(scale, add_decayed_weights,
+    scale_by_learning_rate)``, so every Muon has the same state. ``elementwise`` wraps the two elementwise
+    stages (e.g. ``parallel.on_shards``: run them on local shards)."""
+    return chain(scale, elementwise(add_decayed_weights(weight_decay)), elementwise(scale_by_learning_rate(lr)))
+
+
 def check_arguments(momentum: float, nesterov_style: str, shape_scaling: str) -> None:
     """Refuse bad Muon hyperparameters when the transform is built, not at its first step."""
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
@@ -232,18 +260,7 @@ def scale_by_muon(
     check_arguments(momentum, nesterov_style, shape_scaling)
 
     def init(params: Params) -> MuonState:
-        def zeros(path: str, p: torch.Tensor) -> torch.Tensor:
-            if p.ndim < 2:
-                raise ValueError(
-                    f"{path}: Muon needs matrices (ndim >= 2), got shape {tuple(p.shape)}; "
-                    "route vectors to AdamW with multi_transform / muon_with_adamw"
-                )
-            return torch.zeros_like(p, dtype=accumulator_dtype(p))
-
-        momentum_bufs = tree.map_with_path(zeros, params)
-        if nesterov_style == "torch":
-            return MuonState(momentum=momentum_bufs)
-        return MuonState(momentum=momentum_bufs, count=torch.zeros((), dtype=torch.int64, device=state_device(params)))
+        return init_state(params, nesterov_style)
 
     def update(grads: Updates, state: MuonState, params: Params | None = None) -> tuple[Updates, MuonState]:
         del params
@@ -286,7 +303,7 @@ def muon(
     ``p <- p - lr * (scale * O + wd * p) = p * (1 - lr * wd) - lr * scale * O``.
     For matrices only; see :func:`ftitan.optim.muon_with_adamw` for a model.
     """
-    return chain(
+    return muon_chain(
         scale_by_muon(
             momentum=momentum,
             nesterov=nesterov,
@@ -298,6 +315,6 @@ def muon(
             nesterov_style=nesterov_style,
             blocks=blocks,
         ),
-        add_decayed_weights(weight_decay),
-        scale_by_learning_rate(lr),
+        lr,
+        weight_decay,
     )

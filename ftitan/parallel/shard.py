@@ -19,7 +19,6 @@ before the reduce-scatter and all-reduce, then arrives in the shard's
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -188,29 +187,6 @@ def _dtypes(path: str, x: torch.Tensor, precision: MixedPrecision | None) -> tup
     return precision.compute_dtype, precision.reduce_dtype
 
 
-class _PackedReplicated(torch.autograd.Function):
-    """A bucket's leaves replicated over every gathered axis (norm scales): cast to the compute dtype;
-    backward: the gradients packed and all-reduced once per data axis they are replicated on."""
-
-    @staticmethod
-    def forward(replicated, compute, reduce, *parts):  # type: ignore[override]
-        return tuple(p.to(compute).view_as(p) for p in parts)  # (a view: a Function must not return its input)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.replicated, _compute, ctx.reduce, *parts = inputs
-        ctx.shapes = [tuple(p.shape) for p in parts]
-        ctx.dtypes = [p.dtype for p in parts]
-
-    @staticmethod
-    def backward(ctx: Any, *gs: torch.Tensor):  # type: ignore[override]
-        flat = torch.cat([g.to(ctx.reduce).reshape(-1) for g in gs])
-        for group in ctx.replicated:
-            flat = C._ar(flat, group)
-        pieces = flat.split([math.prod(s) for s in ctx.shapes])
-        return (None, None, None, *[x.view(s).to(d) for x, s, d in zip(pieces, ctx.shapes, ctx.dtypes, strict=True)])
-
-
 def per_layer_bucket(path: str) -> str:
     """FlexShard's default bucket of a leaf: its transformer layer (``layers.<i>``), or ``rest``."""
     parts = path.split(".")
@@ -267,7 +243,9 @@ class Buckets:
                                      compute=key[-2], reduce=key[-1], replicated=groups,
                                      quantize=self.quantize)  # fmt: skip
             else:
-                outs = _PackedReplicated.apply(groups, key[-2], key[-1], *parts)
+                from ftitan.flexshard.packed import replicated
+
+                outs = replicated(parts, groups, compute=key[-2], reduce=key[-1])
             self.cache.update(zip(members, outs, strict=True))
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ftitan as ft
-from _parity import batch_for, tiny_llama  # torchrun puts this folder on sys.path
+from _parity import batch_for, max_diff, tiny_llama  # torchrun puts this folder on sys.path
 from ftitan import flexshard as fs
 from ftitan import parallel
 from ftitan.flexshard import quant
@@ -386,11 +386,7 @@ def mesh_muon_check(name: str, degrees: dict[str, int], family: str = "llama", p
             "owned": sorted(p for p, k in kinds.items() if k == "owned"),
             "blocks": {k: list(v) for k, v in blocks.items()},
             "diff": _max(max(diffs.values())), "muon_diff": _max(max(diffs[p] for p in muon_paths)),
-            "moved": _max(max_diff_of(ref, params))}  # fmt: skip
-
-
-def max_diff_of(a, b) -> float:
-    return max(float((x - y).abs().max()) for x, y in zip(ft.tree.leaves(a), ft.tree.leaves(b), strict=True))
+            "moved": _max(max_diff(ref, params))}  # fmt: skip
 
 
 def mesh_muon_train_check(name: str, steps: int = 12) -> dict:
