@@ -24,8 +24,15 @@ K2: Open Agentic Intelligence") and Kimi K2.5's text decoder; HF ships all
 of them as ``DeepseekV3ForCausalLM``. Logits match
 ``transformers.DeepseekV3ForCausalLM`` to float32 rounding; HF checkpoints
 load by renaming, plus stacking the per-expert tensors (see ``hf_weights``).
-Multi-token-prediction modules of the checkpoints are not modelled (HF
-drops them too).
+Kimi K2.6 and K2.7 (-Code) keep K2.5's text decoder (TorchTitan's
+``kimi_k2_7`` builds all three from one config).
+
+Multi-token prediction (sec. 2.2 of the report): with ``n_mtp_layers > 0``
+the params gain ``"mtp"`` (see ``ftitan.models.mtp``); ``apply_with_aux``
+adds ``mtp_loss_weight`` times their mean cross-entropy to ``aux["loss"]``,
+and ``ftitan.infer.speculative`` drafts tokens with them. HF checkpoints
+keep them as layer ``n_layers`` (+ j), which ``transformers`` drops;
+``mtp.load_hf`` imports them.
 
 Parallel (``ftitan.parallel``): FSDP / DDP, tensor and sequence parallel
 (MLA heads, expert and MLP widths, vocab over ``tp``; the small latent
@@ -67,7 +74,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
-from ftitan.models import base, decoder, hf
+from ftitan.models import base, decoder, hf, mtp
 from ftitan.models.base import Model, drop_aux
 from ftitan.nn import mla as mla_
 from ftitan.nn import moe as moe_
@@ -86,6 +93,7 @@ __all__ = [
     "flops_per_token",
     "hf_weights",
     "model",
+    "mtp_module",
     "param_counts",
     "param_specs",
     "update_router_bias",
@@ -132,6 +140,8 @@ class Config:
     max_seq_len: int = 4096  # longest sequence the model is meant for (HF max_position_embeddings)
     attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
+    n_mtp_layers: int = 0  # D: multi-token-prediction modules (HF num_nextn_predict_layers; V3 ships 1)
+    mtp_loss_weight: float = 0.3  # lambda: the MTP loss is lambda / D * sum_k CE_k (0.3, then 0.1 in the report)
 
     def __attrs_post_init__(self) -> None:
         ints = ("vocab_size", "dim", "n_layers", "n_heads", "kv_lora_rank", "ffn_dim", "n_experts", "top_k",
@@ -145,6 +155,10 @@ class Config:
                 f"deepseek_v3.Config.n_dense_layers={self.n_dense_layers!r}: must be an int in [0, n_layers="
                 f"{self.n_layers}); for a model without MoE blocks use ftitan.models.llama"
             )
+        if not isinstance(self.n_mtp_layers, int) or isinstance(self.n_mtp_layers, bool) or self.n_mtp_layers < 0:
+            raise ValueError(f"deepseek_v3.Config.n_mtp_layers={self.n_mtp_layers!r}: must be an int >= 0")
+        if not 0 <= self.mtp_loss_weight < math.inf:
+            raise ValueError(f"deepseek_v3.Config.mtp_loss_weight={self.mtp_loss_weight!r}: must be finite and >= 0")
         for name in ("norm_eps", "init_std"):
             if not 0 < getattr(self, name) < math.inf:  # inf passes `> 0`, then breaks init or the norms
                 raise ValueError(f"deepseek_v3.Config.{name}={getattr(self, name)!r}: must be a finite number > 0")
@@ -249,6 +263,20 @@ class Config:
                                          beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
         )  # fmt: skip
 
+    @classmethod
+    def kimi_k2_6(cls) -> Config:
+        """Kimi K2.6's text decoder: K2.5's (1.026T params, 31.7B active), as TorchTitan's ``kimi_k2_7``
+        model code builds K2.5, K2.6 and K2.7-Code from one config (``_kimi_k2_5``; transformers'
+        ``Kimi_K25Config`` names moonshotai/Kimi-K2.6 as its checkpoint). The hub config.json itself
+        was not reachable here (offline)."""
+        return cls.kimi_k2_5()
+
+    @classmethod
+    def kimi_k2_7(cls) -> Config:
+        """Kimi K2.7(-Code)'s text decoder: K2.5's, from the same TorchTitan ``kimi_k2_7`` config
+        (the hub config.json was not reachable here)."""
+        return cls.kimi_k2_5()
+
 
 FLAVORS = {
     "debug": Config.debug,
@@ -257,6 +285,8 @@ FLAVORS = {
     "moonlight_16b_a3b": Config.moonlight_16b_a3b,
     "kimi_k2": Config.kimi_k2,
     "kimi_k2_5": Config.kimi_k2_5,
+    "kimi_k2_6": Config.kimi_k2_6,
+    "kimi_k2_7": Config.kimi_k2_7,
 }
 
 
@@ -277,12 +307,15 @@ def param_specs(cfg: Config) -> dict[str, Any]:
             spec["moe"] = moe_.moe_params(d, cfg.moe, std=std, out_std=out_std)
         return spec
 
-    return {
+    specs = {
         "embed": nn.embed_param(cfg.vocab_size, d, std=std),
         "layers": {str(i): layer(i) for i in range(cfg.n_layers)},
         "norm": nn.norm_param(d),
         "head": nn.linear_param(d, cfg.vocab_size, axes=("vocab", "embed"), std=std),
     }
+    if cfg.n_mtp_layers:  # MoE blocks, as layer n_layers of V3's checkpoint
+        specs["mtp"] = mtp.mtp_specs(d, cfg.n_mtp_layers, lambda: layer(cfg.n_layers), std=std)
+    return specs
 
 
 def param_counts(cfg: Config) -> tuple[int, int]:
@@ -294,7 +327,8 @@ def param_counts(cfg: Config) -> tuple[int, int]:
     out the embedding lookup: ``active - vocab_size * dim``.
     """
     total = sum(math.prod(spec.shape) for spec in tree.leaves(param_specs(cfg)))
-    unused = cfg.n_moe_layers * (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.moe_ffn_dim
+    moe_blocks = cfg.n_moe_layers + cfg.n_mtp_layers  # MTP modules (training only) hold a MoE block each
+    unused = moe_blocks * (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.moe_ffn_dim
     return total, total - unused
 
 
@@ -308,7 +342,9 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     not the embedding lookup, norms or routing bias. A weight costs 2 FLOPs
     per token forward and 4 backward. Attention scores take ``2 * T *
     (Dn + Dr)`` and values ``2 * T * Dv`` FLOPs per head and token forward,
-    times 3 for forward + backward, halved for the causal mask.
+    times 3 for forward + backward, halved for the causal mask. Each MTP
+    module adds a block (attention and MoE), its ``eh_proj`` (2D x D) and
+    another pass through the head.
     """
     d, h, m = cfg.dim, cfg.n_heads, cfg.mla
     q = d * h * m.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank * (d + h * m.qk_head_dim)
@@ -317,7 +353,8 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
     dense = 3 * d * cfg.ffn_dim
     moe = cfg.n_experts * d + (cfg.top_k + cfg.n_shared_experts) * 3 * d * cfg.moe_ffn_dim
     matmul = cfg.n_layers * attn + cfg.n_dense_layers * dense + cfg.n_moe_layers * moe + cfg.vocab_size * d
-    scores = 3 * cfg.n_layers * seq_len * h * (m.qk_head_dim + cfg.v_head_dim)
+    matmul += cfg.n_mtp_layers * (attn + moe + 2 * d * d + cfg.vocab_size * d)
+    scores = 3 * (cfg.n_layers + cfg.n_mtp_layers) * seq_len * h * (m.qk_head_dim + cfg.v_head_dim)
     return float(6 * matmul + scores)
 
 
@@ -340,17 +377,50 @@ def _stage(
     cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3",
                                                            segments=segments), mla_cfg)  # fmt: skip
 
-    # the parallel seams (decoder.norm/mlp, expert.moe, _attention) are the single-process ops without a layout
     def block(i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
-        h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg, attend=attend)
-        x = decoder.norm(cfg, h, p["mlp_norm"])
-        if i < cfg.n_dense_layers:
-            return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant), None
-        y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
-        return h + y, stats
+        return _block(cfg, mla_cfg, moe_cfg, p, h, cos, sin, attend=attend, dense=i < cfg.n_dense_layers)
 
     return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
                              segments=segments)  # fmt: skip
+
+
+def _block(
+    cfg: Config,
+    mla_cfg: mla_.MLAConfig,
+    moe_cfg: moe_.MoEConfig,
+    p: Mapping[str, Any],  # one block's params
+    h: torch.Tensor,  # (B, T, D) residual stream
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    attend: Attend,
+    dense: bool,
+) -> tuple[torch.Tensor, Any]:  # (B, T, D), MoEStats or None
+    """One block: ``h += mla(rms_norm(h))``, ``h += ffn(rms_norm(h))`` (dense SwiGLU or MoE). The
+    parallel seams (decoder.norm/mlp, expert.moe, _attention) are the single-process ops without a layout."""
+    h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg, attend=attend)
+    x = decoder.norm(cfg, h, p["mlp_norm"])
+    if dense:
+        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant), None
+    y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
+    return h + y, stats
+
+
+def _mtp_block(cfg: Config, mla_cfg: mla_.MLAConfig, moe_cfg: moe_.MoEConfig) -> mtp.Block:
+    """The MTP modules' transformer block (a MoE block, as V3's layer n_layers), RoPE'd at ``positions``."""
+
+    def block(p: Mapping[str, Any], h: torch.Tensor, positions: torch.Tensor, attend: Attend) -> tuple[
+            torch.Tensor, Any]:  # fmt: skip
+        cos, sin = mla_.mla_rope(positions, mla_cfg)
+        return _block(cfg, mla_cfg, moe_cfg, p, h, cos, sin, attend=attend, dense=False)
+
+    return block
+
+
+def mtp_module(cfg: Config, k: int = 0) -> Any:
+    """MTP module ``k`` as a function ``(params, h_prev, next_tokens, *, positions, cache=None, segments=None)
+    -> (h, normed, cache, stats)`` (``ftitan.models.mtp.module_apply``): what speculative decoding drafts with."""
+    return functools.partial(mtp.module_apply, k=k, block=_mtp_block(cfg, cfg.mla, cfg.moe), norm_eps=cfg.norm_eps)
 
 
 def _apply_with_aux(
@@ -364,11 +434,25 @@ def _apply_with_aux(
     cache: Any = None,
     segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (None: one document a row)
     logits: bool = True,
+    mtp_loss: bool = True,  # run the MTP modules for their loss (without a cache); plain ``apply`` does not
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True,
                              last=True, positions=positions, cache=cache, segments=segments)  # fmt: skip
     out = decoder.logits_of(h, _head(params), invariant=moe_cfg.batch_invariant) if logits else h
-    return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
+    losses: list[torch.Tensor] = []
+    all_stats = list(stats.values())
+    if mtp_loss and cfg.n_mtp_layers and cache is None and "mtp" in params:  # training: the MTP loss
+        positions = decoder.positions_for(tokens, positions, family="deepseek_v3", segments=segments)
+        block = _mtp_block(cfg, mla_cfg, moe_cfg)
+        losses, mtp_stats = mtp.mtp_losses(params, h, tokens, block, norm_eps=cfg.norm_eps, positions=positions,
+                                           segments=segments)  # fmt: skip
+        all_stats += mtp_stats
+    aux = expert.moe_aux(all_stats, moe_cfg)  # router statistics of the global batch (MTP blocks' rows last)
+    if losses:
+        mean = torch.stack(losses).mean()
+        aux["loss"] = aux["loss"] + cfg.mtp_loss_weight * mean
+        aux["mtp.ce_loss"] = mean.detach()
+    return out, cache, aux
 
 
 # MLA's latent projections and norms: replicated over tp (logical "q_lora"/"kv_lora"/"norm"), but their
@@ -401,8 +485,9 @@ def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[
     """Params with each MoE block's ``router_bias`` moved towards balance (``Model.update_buffers``).
 
     ``metrics["moe.tokens_per_expert"]`` is ``(L_moe, E)``, row ``j`` for block
-    ``n_dense_layers + j``. Pure: the input tree is not modified; every other
-    leaf is shared with it.
+    ``n_dense_layers + j``, then (when the step ran the MTP loss) one row per
+    MTP module's block, ``mtp.{k}.block.moe.router_bias``. Pure: the input
+    tree is not modified; every other leaf is shared with it.
     """
     if "moe.tokens_per_expert" not in metrics:
         raise KeyError(
@@ -410,10 +495,12 @@ def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[
             "(the loss must come from model.apply_with_aux, e.g. ftitan.train.next_token_loss)"
         )
     load = metrics["moe.tokens_per_expert"]
-    if tuple(load.shape) != (cfg.n_moe_layers, cfg.n_experts):
+    rows = (cfg.n_moe_layers, cfg.n_moe_layers + cfg.n_mtp_layers)
+    if load.dim() != 2 or load.shape[0] not in rows or load.shape[1] != cfg.n_experts:
         raise ValueError(
-            f"deepseek_v3.update_buffers: moe.tokens_per_expert has shape {tuple(load.shape)}, "
-            f"config expects (n_moe_layers, n_experts) = ({cfg.n_moe_layers}, {cfg.n_experts})"
+            f"deepseek_v3.update_buffers: moe.tokens_per_expert has shape {tuple(load.shape)}, config expects "
+            f"(n_moe_layers [+ n_mtp_layers], n_experts) = ({' or '.join(map(str, sorted(set(rows))))}, "
+            f"{cfg.n_experts})"
         )
     layers = dict(params["layers"])
     with torch.no_grad():
@@ -425,6 +512,9 @@ def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[
             moe["router_bias"] = moe_.update_router_bias(moe["router_bias"], load[j], cfg.bias_update_rate)
             block["moe"] = moe
             layers[str(i)] = block
+    if load.shape[0] > cfg.n_moe_layers and "mtp" in params:
+        return {**params, "layers": layers, "mtp": mtp.update_router_bias(params["mtp"], load[cfg.n_moe_layers:],
+                                                                           cfg.bias_update_rate)}  # fmt: skip
     return {**params, "layers": layers}
 
 
@@ -444,19 +534,22 @@ def model(cfg: Config) -> Model:
         for i in range(cfg.n_dense_layers, cfg.n_layers):
             moe = params["layers"][str(i)]["moe"]
             moe["router_bias"] = moe["router_bias"].to(torch.float32)
+        for k in range(cfg.n_mtp_layers):
+            moe = params["mtp"][str(k)]["block"]["moe"]
+            moe["router_bias"] = moe["router_bias"].to(torch.float32)
         return params
 
     apply_with_aux = functools.partial(_apply_with_aux, cfg, cfg.mla, cfg.moe)
     return Model(
         config=cfg,
         init=init,
-        apply=drop_aux(apply_with_aux),
+        apply=drop_aux(functools.partial(apply_with_aux, mtp_loss=False)),  # logits / hidden: no MTP work
         head=_head,
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
         apply_with_aux=apply_with_aux,
         stage=functools.partial(_stage, cfg, cfg.mla, cfg.moe),
-        frozen=FROZEN,
+        frozen=FROZEN + ((mtp.FROZEN,) if cfg.n_mtp_layers else ()),
         update_buffers=functools.partial(update_router_bias, cfg),
     )
 
@@ -508,6 +601,11 @@ def hf_weights(cfg: Config) -> list[hf.WeightMap]:
             if cfg.n_shared_experts:
                 name = f"{pre}.mlp.shared_experts.{n}.weight"
                 maps.append(hf.WeightMap(path=f"layers.{i}.moe.shared.{k}", names=(name,)))
+    if cfg.n_mtp_layers:  # layer n_layers + k: the block under the same names, plus the MTP module's own
+        mtp_cfg = attrs.evolve(cfg, n_layers=cfg.n_layers + cfg.n_mtp_layers, n_mtp_layers=0)
+        main = {m.path for m in maps}
+        block = [m for m in hf_weights(mtp_cfg) if m.path.startswith("layers.") and m.path not in main]
+        maps = mtp.hf_weights(maps, block, n_layers=cfg.n_layers)
     return maps
 
 
@@ -516,13 +614,14 @@ def _hf_empty(cfg: Config) -> dict[str, tuple[int, ...]]:
     if cfg.n_shared_experts:
         return {}
     shapes = {"gate_proj": (0, cfg.dim), "up_proj": (0, cfg.dim), "down_proj": (cfg.dim, 0)}
-    return {f"model.layers.{i}.mlp.shared_experts.{n}.weight": shape
-            for i in range(cfg.n_dense_layers, cfg.n_layers) for n, shape in shapes.items()}  # fmt: skip
+    blocks = range(cfg.n_dense_layers, cfg.n_layers + cfg.n_mtp_layers)  # MTP modules: layers L + k
+    return {f"model.layers.{i}.mlp.shared_experts.{n}.weight": shape for i in blocks for n, shape in shapes.items()}
 
 
 def _hf_ignored(cfg: Config) -> tuple[str, ...]:
-    # rotary buffers of old exports; the multi-token-prediction module that V3/R1 ship as layer L
-    return ("**.rotary_emb.inv_freq", f"model.layers.{cfg.n_layers}.**")
+    # rotary buffers of old exports; without n_mtp_layers, the multi-token-prediction module that V3/R1
+    # ship as layer L (mtp.load_hf imports it)
+    return ("**.rotary_emb.inv_freq", *(() if cfg.n_mtp_layers else (f"model.layers.{cfg.n_layers}.**",)))
 
 
 def config_to_hf(cfg: Config) -> dict[str, Any]:
@@ -577,7 +676,7 @@ def config_to_hf(cfg: Config) -> dict[str, Any]:
         "initializer_range": cfg.init_std,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.n_mtp_layers,
     }
 
 
@@ -601,7 +700,12 @@ def _rope_from_hf(d: Mapping[str, Any]) -> tuple[float, YarnRopeScaling | None]:
 
 
 def config_from_hf(d: Mapping[str, Any]) -> Config:
-    """A ``Config`` from an HF ``DeepseekV3Config`` dict (or Kimi's ``kimi_k2``); refuses what this model lacks."""
+    """A ``Config`` from an HF ``DeepseekV3Config`` dict (or Kimi's ``kimi_k2``); refuses what this model lacks.
+
+    The main model only, as ``DeepseekV3ForCausalLM`` reads it: ``num_nextn_predict_layers`` does not say
+    whether a checkpoint holds MTP weights (transformers writes 1 by default and saves none), so
+    ``n_mtp_layers`` stays 0; ``ftitan.models.mtp.load_hf`` counts the modules in the weights.
+    """
     required = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "kv_lora_rank", "n_routed_experts", "num_experts_per_tok")  # fmt: skip
     if absent := [k for k in required if k not in d]:
