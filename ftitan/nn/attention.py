@@ -25,6 +25,12 @@ the causal rule where positions are not ``arange``: context parallelism's
 head-tail chunks, a KV cache of padded rows (``ftitan.infer``), or packed
 rows of several documents (:func:`document_mask`: block-diagonal causal, no
 token sees another document).
+
+A ``window`` (sliding-window attention, Beltagy et al. 2020 / Mistral) keeps
+only the ``window`` most recent keys of each query, itself included: query
+``t`` (at key position ``p = t + S - T``) sees key ``j`` only if
+``j > p - window``, on top of the causal rule or the explicit ``mask`` (HF's
+``sliding_window`` convention, ``kv_idx > q_idx - sliding_window``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,15 @@ import torch.nn.functional as F
 from ftitan.kernels.autodiff import plain_reverse_mode
 from ftitan.nn import invariant
 
-__all__ = ["Attend", "AttentionImpl", "attention", "causal_mask", "document_mask", "document_positions"]
+__all__ = [
+    "Attend",
+    "AttentionImpl",
+    "attention",
+    "causal_mask",
+    "document_mask",
+    "document_positions",
+    "window_mask",
+]
 
 AttentionImpl = Literal["sdpa", "math", "batch_invariant"]
 IMPLS: tuple[str, ...] = ("sdpa", "math", "batch_invariant")
@@ -52,6 +66,13 @@ def causal_mask(t: int, s: int, *, device: torch.device | str | None = None) -> 
     """True where query ``i`` (of the last ``t`` of ``s`` positions) may see key ``j``."""
     q_pos = torch.arange(t, device=device)[:, None] + (s - t)
     return torch.arange(s, device=device)[None, :] <= q_pos
+
+
+def window_mask(t: int, s: int, window: int, *, device: torch.device | str | None = None) -> torch.Tensor:  # (T, S)
+    """True where key ``j`` is among the ``window`` most recent keys of query ``i`` (of the last ``t`` of
+    ``s`` positions), itself included: ``j > i + s - t - window``. Earlier keys only with :func:`causal_mask`."""
+    q_pos = torch.arange(t, device=device)[:, None] + (s - t)
+    return torch.arange(s, device=device)[None, :] > q_pos - window
 
 
 def document_mask(segments: torch.Tensor) -> torch.Tensor:  # (B, T) int -> (B, T, T) bool
@@ -83,6 +104,7 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     mask: torch.Tensor | None = None,  # (T, S) | (B, T, S) bool, True: may attend
+    window: int | None = None,  # sliding window: each query sees its `window` most recent keys, itself included
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
 
@@ -92,6 +114,9 @@ def attention(
     ``causal=False``) gives which keys each query sees, for layouts where
     positions are not in order (context parallelism's head-tail chunks), per
     sequence when it is ``(B, T, S)``; every query must see at least one key.
+    ``window`` (an int >= 1) further limits query ``t`` to keys ``j > t + S - T - window``
+    (:func:`window_mask`, ANDed with the causal rule or ``mask``; index distance is position
+    distance where positions are contiguous: a row, a document of packed rows).
     """
     b, t, h, dh = q.shape
     s, kv = k.shape[1], k.shape[2]
@@ -110,6 +135,8 @@ def attention(
             f"and comes with causal=False"
         )
     scale = dh**-0.5 if scale is None else scale
+    if window is not None:
+        mask, causal = _with_window(window, t, s, causal=causal, mask=mask, device=q.device), False
     if impl not in IMPLS:
         raise ValueError(f"attention: impl={impl!r}; expected one of {IMPLS}")
     # the CPU flash kernel has no forward-AD formula, vmap rule or double backward: under such
@@ -121,6 +148,18 @@ def attention(
             mask = causal_mask(t, s, device=q.device) if causal else torch.ones(t, s, dtype=torch.bool, device=q.device)
         return invariant.attention(q, k, v, scale=scale, mask=mask)
     return _math(q, k, v, causal=causal, scale=scale, mask=mask)
+
+
+def _with_window(
+    window: int, t: int, s: int, *, causal: bool, mask: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:  # (T, S) | (B, T, S) bool
+    """The explicit mask of a windowed attention: the window ANDed with the causal rule or ``mask``."""
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"attention: window={window!r} must be an int >= 1 (keys each query sees, itself included)")
+    near = window_mask(t, s, window, device=device)
+    if causal:
+        return near & causal_mask(t, s, device=device)
+    return near if mask is None else near & mask
 
 
 def _sdpa(

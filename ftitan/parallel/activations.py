@@ -171,18 +171,24 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     segments: torch.Tensor | None = None,  # (B, T) int document ids of this rank's tokens (packed rows)
+    window: int | None = None,  # sliding window: each query sees its `window` most recent keys (nn.attention)
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """``nn.attention``; under context parallelism each rank's queries attend over the all-gathered
     keys/values of every cp rank, masked by true positions (head-tail chunks, :func:`cp_positions`).
     With ``segments`` (and ``causal``) a query sees only the earlier keys of its own document
-    (``nn.document_mask``; under cp the segments are all-gathered with the keys)."""
+    (``nn.document_mask``; under cp the segments are all-gathered with the keys). ``window``: sliding-window
+    attention (``nn.attention``'s ``window``); not under context parallelism (refused there)."""
     layout = current()
     if segments is not None and not causal:
         raise ValueError("attention: segments (packed documents) come with causal=True")
     if layout is None or layout.sizes["cp"] == 1:
         if segments is not None:
-            return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=nn.document_mask(segments))
-        return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale)
+            return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=nn.document_mask(segments),
+                                window=window)  # fmt: skip
+        return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale, window=window)
+    if window is not None:
+        raise ValueError(f"attention: sliding window ({window}) under context parallelism (cp={layout.sizes['cp']}) "
+                         "is not implemented; run windowed models with cp=1")  # fmt: skip
     cp, group = layout.sizes["cp"], layout.group("cp")
     t_local = q.shape[1]
     t = t_local * cp
