@@ -74,9 +74,10 @@ def make_prefill(model: Any, *, donate: bool = False) -> PrefillFn:
             raise ValueError(f"prefill: lengths {lengths.tolist()} must give 1 .. {t} real tokens for each of {b} rows")
         start = t - lengths if padding == "left" else torch.zeros_like(lengths)
         positions = (torch.arange(t, device=tokens.device) - start[:, None]).clamp(min=0)  # (B, T); pads at 0
-        cache = KVCache(cache.layers, start, torch.zeros_like(start))  # fresh: the prompt fills slots 0 .. T - 1
-        h, cache = _run(model, params, tokens, positions, cache, donate)
         end = start + lengths
+        # fresh: the prompt fills slots 0 .. T - 1; recurrent layers' states stop at each row's last real token
+        cache = KVCache(cache.layers, start, torch.zeros_like(start), end)
+        h, cache = _run(model, params, tokens, positions, cache, donate)
         return _next_logits(model, params, h, end - 1), KVCache(cache.layers, start, end)
 
     return prefill

@@ -17,7 +17,8 @@ from ftitan import random, tree
 if TYPE_CHECKING:
     from ftitan.nn.moe import MoEStats
 
-__all__ = ["ApplyAuxFn", "ApplyFn", "AttentionCache", "InitFn", "Model", "StageFn", "StageOut", "drop_aux"]
+__all__ = ["ApplyAuxFn", "ApplyFn", "AttentionCache", "InitFn", "Model", "RecurrentCache", "StageFn", "StageOut",
+           "drop_aux"]
 
 
 class AttentionCache(Protocol):
@@ -35,6 +36,22 @@ class AttentionCache(Protocol):
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, impl: str, causal: bool, scale: float
     ) -> tuple[torch.Tensor, AttentionCache]: ...
+
+
+class RecurrentCache(AttentionCache, Protocol):
+    """A cache that also keeps the state of recurrent layers (linear attention: Gated DeltaNet's conv
+    and delta-rule state), next to the keys/values of attention layers.
+
+    A recurrent layer calls ``cache.recur(layer, scan, inputs)`` (through ``decoder.recur``) where
+    ``scan(inputs, state, valid) -> (out, new_state)`` is the layer's own pure step over its new tokens:
+    ``state`` is the layer's state tree as the cache holds it (``None``: start from zeros, as without
+    a cache), ``valid`` (B, T) bool marks the real tokens (padding must leave the state unchanged;
+    ``None``: all real). The cache returns ``out`` and itself with ``new_state`` kept. Which layers
+    attend and which recur is the model's business; the cache stores whatever each layer hands it
+    (``ftitan.infer.init_cache`` learns the state shapes from a one-token ``apply``).
+    """
+
+    def recur(self, layer: int, scan: Any, inputs: Any) -> tuple[Any, RecurrentCache]: ...
 
 
 class InitFn(Protocol):

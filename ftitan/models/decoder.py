@@ -28,6 +28,7 @@ __all__ = [
     "HF_ATTENTION",
     "HF_MLP",
     "HF_QK_NORM",
+    "Scan",
     "attention",
     "attention_flops",
     "attention_params",
@@ -44,6 +45,7 @@ __all__ = [
     "norm",
     "output_head",
     "positions_for",
+    "recur",
     "residual_std",
     "rope",
     "run_stage",
@@ -251,23 +253,54 @@ def stage_positions(
 Block = Callable[[int, Mapping[str, Any], torch.Tensor, Attend], tuple[torch.Tensor, Any]]
 
 
+class _LayerCache:
+    """Layer ``layer``'s view of a cache: called, it attends (``cache.attend``); :meth:`recur` runs a
+    recurrent layer's scan from the state the cache holds (``cache.recur``). Keeps the cache each call
+    returns, for the getter of :func:`layer_attention`."""
+
+    def __init__(self, cache: Any, layer: int) -> None:
+        self.cache, self.layer = cache, layer
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        o, self.cache = self.cache.attend(self.layer, q, k, v, **kwargs)
+        return o
+
+    def recur(self, scan: Scan, inputs: Any) -> Any:
+        if not hasattr(self.cache, "recur"):
+            raise ValueError(f"layer {self.layer} is recurrent (linear attention), and the cache "
+                             f"{type(self.cache).__name__} keeps attention keys/values only; generate through "
+                             "ftitan.infer (its KVCache holds recurrent state too)")  # fmt: skip
+        out, self.cache = self.cache.recur(self.layer, scan, inputs)
+        return out
+
+
+# a recurrent layer's step over new tokens: (inputs, state or None (start from zeros), valid (B, T) bool or None
+# (every token real)) -> (output, the state after the last real token); see base.AttentionCache.recur
+Scan = Callable[[Any, Any, "torch.Tensor | None"], tuple[Any, Any]]
+
+
+def recur(attend: Attend, scan: Scan, inputs: Any) -> Any:
+    """A recurrent layer's output: ``scan`` through the layer's cache (:func:`layer_attention`: continues from
+    the state the cache holds, which keeps the new one), or from a zero state without a cache."""
+    if isinstance(attend, _LayerCache):
+        return attend.recur(scan, inputs)
+    out, _ = scan(inputs, None, None)
+    return out
+
+
 def layer_attention(cache: Any, layer: int, segments: torch.Tensor | None = None) -> tuple[Attend, Callable[[], Any]]:
     """Layer ``layer``'s attention op over ``cache`` (``base.AttentionCache``), and a getter of the
-    cache after that layer wrote its keys/values; without a cache, causal attention over the
-    block's own tokens (``parallel.activations.attention``), within each document of ``segments``."""
+    cache after that layer wrote its keys/values (or its recurrent state, :func:`recur`); without a
+    cache, causal attention over the block's own tokens (``parallel.activations.attention``), within
+    each document of ``segments``."""
     if cache is None:
         if segments is None:
             return par.attention, lambda: None
         return functools.partial(par.attention, segments=segments), lambda: None
     if segments is not None:
         raise ValueError("apply: segments (packed documents) with a KV cache; decode one document per row")
-    state = [cache]
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        o, state[0] = state[0].attend(layer, q, k, v, **kwargs)
-        return o
-
-    return attend, lambda: state[0]
+    view = _LayerCache(cache, layer)
+    return view, lambda: view.cache
 
 
 def run_stage(
@@ -281,6 +314,7 @@ def run_stage(
     last: bool,
     cache: Any = None,
     segments: torch.Tensor | None = None,  # (B, T) int document ids: attention stays within a document
+    final_norm: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # default: norm
 ) -> StageOut:  # h (B, T, D), {layer: router stats}, cache
     """Embed (``first``), ``block`` over ``layers`` in order, final norm (``last``): the layer loop every
     family's ``stage`` (and so its ``apply``) runs. The last stage's output is whole on every tp rank
@@ -295,7 +329,7 @@ def run_stage(
         cache = written()
         if s is not None:
             stats[i] = s
-    h = par.column_input(norm(cfg, h, params["norm"])) if last else h
+    h = par.column_input((final_norm or norm)(cfg, h, params["norm"])) if last else h
     return StageOut(h, stats, cache)
 
 

@@ -59,6 +59,7 @@ __all__ = [
     "per_layer",
     "stacked",
     "register_family",
+    "text_decoder",
     "unregister_family",
     "save_hf",
     "to_hf",
@@ -273,6 +274,23 @@ def _unfuse_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+MULTIMODAL_TEXT = "model.language_model."  # transformers 5 *ForConditionalGeneration: the text decoder's tensors
+
+
+def text_decoder(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's text decoder under the ``*ForCausalLM`` names (``model.language_model.X`` ->
+    ``model.X``, the other towers such as ``model.visual.*`` left out); any other checkpoint unchanged."""
+    if not any(n.startswith(MULTIMODAL_TEXT) for n in state):
+        return dict(state)
+    out = {}
+    for name, t in state.items():
+        if name.startswith(MULTIMODAL_TEXT):
+            out["model." + name[len(MULTIMODAL_TEXT) :]] = t
+        elif not name.startswith("model."):  # lm_head, MTP heads
+            out[name] = t
+    return out
+
+
 def from_hf(
     state_dict: Mapping[str, torch.Tensor],
     cfg: Any,
@@ -292,7 +310,7 @@ def from_hf(
     expected = family.model(cfg).init(random.key(0), dtype=dtype or torch.float32, device="meta")
     paths, meta_leaves, treedef = tree.flatten_with_paths(expected)
     maps = _table(family, cfg, paths)
-    state = _unfuse_experts(state_dict)
+    state = text_decoder(_unfuse_experts(state_dict))
     check_names(family, cfg, maps, {n: tuple(t.shape) for n, t in state.items()})
     by_path = {}
     for m in maps:

@@ -223,7 +223,7 @@ def load_sharded(
         place = functools.partial(pinit.place_local, shardings=shardings, like=like, layout=layout)
     paths, leaves, treedef = tree.flatten_with_paths(like)
     with Checkpoint(d) as ckpt:
-        views = ckpt.views()
+        views = hf.text_decoder(ckpt.views())  # a multimodal checkpoint: its text decoder
         hf.check_names(family, cfg, list(maps.values()), {n: v.shape for n, v in views.items()})
         out = [load_leaf(ckpt, views, maps[p], x, blocks.get(p), dtype=dtype, device=device)
                for p, x in zip(paths, leaves, strict=True)]  # fmt: skip
