@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftitan import nn
+from ftitan import nn, tree
 
 __all__ = ["Donated", "KVCache", "init_cache"]
 
@@ -29,8 +29,13 @@ __all__ = ["Donated", "KVCache", "init_cache"]
 class KVCache(NamedTuple):
     """Per-layer keys/values ``{"0": {"k": (B, S, KV, Dk), "v": (B, S, KV, Dv)}, ...}`` and the rows' spans.
 
+    A recurrent layer (linear attention, :meth:`recur`) holds its state instead, e.g. Gated DeltaNet's
+    ``{"conv": (B, K - 1, C), "ssm": (B, H, Dk, Dv)}``: the state after the row's last real token.
+
     - ``start`` (B,) int64: first slot of each row's sequence (left padding before it).
     - ``end`` (B,) int64: one past its last written slot; the next token goes there.
+    - ``limit`` (B,) int64 or None: while a right-padded prompt is prefilled, one past its last real
+      slot (the padding after it must not reach a recurrent state); None: every new token is real.
 
     Build with :func:`init_cache`; ``ftitan.infer.prefill`` / ``decode_step``
     keep ``start``/``end`` and the positions in step.
@@ -39,11 +44,31 @@ class KVCache(NamedTuple):
     layers: Mapping[str, Mapping[str, torch.Tensor]]
     start: torch.Tensor
     end: torch.Tensor
+    limit: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
-        """``S``: slots per row (prompt plus generated tokens must fit)."""
-        return next(iter(self.layers.values()))["k"].shape[1]
+        """``S``: slots per row (prompt plus generated tokens must fit; unbounded without attention layers)."""
+        return next((entry["k"].shape[1] for entry in self.layers.values() if "k" in entry), 2**62)
+
+    def recur(self, layer: int, scan: Any, inputs: Any) -> tuple[Any, KVCache]:
+        """Run recurrent layer ``layer``'s ``scan`` (``base.RecurrentCache``) over the new tokens at slots
+        ``end ..`` from the state this cache holds; only tokens inside each row's span change the state."""
+        return self.scan_and_keep(layer, scan, inputs, inplace=False)
+
+    def scan_and_keep(self, layer: int, scan: Any, inputs: Any, *, inplace: bool) -> tuple[Any, KVCache]:
+        """:meth:`recur`, the new state in new tensors, or (``inplace``) copied into this cache's own."""
+        state = self.layers[str(layer)]
+        t = tree.leaves(inputs)[0].shape[1]
+        slot = self.end[:, None] + torch.arange(t, device=self.end.device)  # (B, T)
+        valid = slot >= self.start[:, None]
+        if self.limit is not None:
+            valid = valid & (slot < self.limit[:, None])
+        out, new = scan(inputs, state, valid)
+        if inplace:
+            new = tree.map(lambda buf, x: buf.copy_(x), dict(state), dict(new))
+        layers = {**self.layers, str(layer): new}
+        return out, KVCache(layers, self.start, self.end, self.limit)
 
     def attend(
         self,
@@ -55,9 +80,11 @@ class KVCache(NamedTuple):
         impl: nn.AttentionImpl = "sdpa",
         causal: bool = True,
         scale: float | None = None,
+        window: int | None = None,  # sliding window: a query sees its `window` most recent slots, itself included
     ) -> tuple[torch.Tensor, KVCache]:  # (B, T, H, Dv), the cache with layer's k/v written
         """Write ``k``/``v`` at slots ``end .. end + T - 1`` of each row, then attend over the row's slots."""
-        return self.write_and_attend(layer, q, k, v, inplace=False, impl=impl, causal=causal, scale=scale)
+        return self.write_and_attend(layer, q, k, v, inplace=False, impl=impl, causal=causal, scale=scale,
+                                     window=window)  # fmt: skip
 
     def write_and_attend(
         self,
@@ -70,6 +97,7 @@ class KVCache(NamedTuple):
         impl: nn.AttentionImpl = "sdpa",
         causal: bool = True,
         scale: float | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, KVCache]:
         """:meth:`attend`, writing into new buffers, or (``inplace``) into this cache's own: see
         :class:`Donated`."""
@@ -95,12 +123,16 @@ class KVCache(NamedTuple):
             # inductor inlines the mask into every use, and a gathered one costs a modulo per element there)
             past = (slot - self.start[:, None])[:, :, None]  # (B, T, 1)
             mask = (key_slot <= past) | (key_slot == past + s)
+            if window is not None:  # slots are contiguous positions: the window is a slot distance
+                mask = mask & (key_slot > past - window)
         else:
             mask = (key_slot >= self.start[:, None, None]) & (key_slot <= slot[:, :, None])  # (B, T, S)
+            if window is not None:
+                mask = mask & (key_slot > slot[:, :, None] - window)
             mask = mask | (key_slot == slot[:, :, None])  # a padding query (before start) sees itself
         o = nn.attention(q, ks.to(q.dtype), vs.to(q.dtype), impl=impl, causal=False, scale=scale, mask=mask)
         layers = {**self.layers, str(layer): {"k": keys, "v": values}}
-        return o, KVCache(layers, self.start, self.end)
+        return o, KVCache(layers, self.start, self.end, self.limit)
 
 
 class Donated:
@@ -121,12 +153,22 @@ class Donated:
         o, self.cache = self.cache.write_and_attend(layer, q, k, v, inplace=True, **kwargs)
         return o, self
 
+    def recur(self, layer: int, scan: Any, inputs: Any) -> tuple[Any, Donated]:
+        out, self.cache = self.cache.scan_and_keep(layer, scan, inputs, inplace=True)
+        return out, self
+
 
 class _ShapeProbe:
-    """An ``AttentionCache`` that records each layer's key/value shapes (plain causal attention)."""
+    """An ``AttentionCache`` that records each layer's key/value shapes (plain causal attention), and each
+    recurrent layer's state (from zeros)."""
 
     def __init__(self) -> None:
         self.kv: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
+        self.states: dict[str, Any] = {}
+
+    def recur(self, layer: int, scan: Any, inputs: Any) -> tuple[Any, _ShapeProbe]:
+        out, self.states[str(layer)] = scan(inputs, None, None)
+        return out, self
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> tuple[
             torch.Tensor, _ShapeProbe]:  # fmt: skip
@@ -156,14 +198,17 @@ def init_cache(
     device = params["embed"].device if device is None else device
     probe = _ShapeProbe()
     model.apply(params, torch.zeros(1, 1, dtype=torch.long, device=device), cache=probe, logits=False)
-    if not probe.kv:
-        raise ValueError("init_cache: the model's apply never called cache.attend; it has no attention to cache")
-    layers = {
+    if not probe.kv and not probe.states:
+        raise ValueError("init_cache: the model's apply never called cache.attend or cache.recur; it has no "
+                         "attention or recurrent state to cache")  # fmt: skip
+    layers: dict[str, Any] = {
         name: {
             "k": torch.zeros(batch, slots, *k_shape, dtype=dtype or kv_dtype, device=device),
             "v": torch.zeros(batch, slots, *v_shape, dtype=dtype or kv_dtype, device=device),
         }
         for name, (k_shape, v_shape, kv_dtype) in probe.kv.items()
     }
+    for name, state in probe.states.items():  # zeros: the state before any token (one row probed, B kept)
+        layers[name] = tree.map(lambda x: torch.zeros(batch, *x.shape[1:], dtype=x.dtype, device=device), state)
     zeros = torch.zeros(batch, dtype=torch.long, device=device)
     return KVCache(layers, zeros, zeros.clone())
