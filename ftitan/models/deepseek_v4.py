@@ -294,8 +294,9 @@ def frozen(cfg: Config) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------- forward
 
-# replicated over tp but applied to the tp-split heads: their gradients are partial sums over tp
-_SHARED_ATTN = ("wq_a", "q_norm", "wkv", "kv_norm", "compressor")
+# replicated over tp, their gradients partial sums over tp: the latent / key / compressor weights feed the
+# tp-split heads; the indexer's KL is computed whole on every tp rank, and each rank's loss is a 1/tp share
+_SHARED_ATTN = ("wq_a", "q_norm", "wkv", "kv_norm", "compressor", "indexer")
 
 
 def _check_layout(positions: Any, segments: Any) -> None:
@@ -320,9 +321,16 @@ def _attention(cfg: sa.SparseAttentionConfig, p: Mapping[str, Any], x: torch.Ten
                context: torch.Tensor | None, with_kl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Attention under the current layout: heads over tp (column-parallel in, row-parallel out)."""
     x = par.column_input(x)
-    p = {k: tree.map(lambda w: par.tp_shared(w, "heads"), v) if k in _SHARED_ATTN else v for k, v in p.items()}
+    p = {k: _tp_shared_tree(v) if k in _SHARED_ATTN else v for k, v in p.items()}
     y, kl = sa.attention(x, p, cfg, positions, context=context, compute_indexer_loss=with_kl, head_sum=_heads_sum)
     return par.row_output(y), kl
+
+
+def _tp_shared_tree(p: Any) -> Any:
+    # params may be a lazily gathering Mapping view (parallel.gathered): walk it by key, not with optree
+    if isinstance(p, Mapping):
+        return {k: _tp_shared_tree(v) for k, v in p.items()}
+    return par.tp_shared(p, "heads")
 
 
 def _moe(cfg: Config, p: Mapping[str, Any], x: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, Any]:
