@@ -7,7 +7,7 @@ on tiny random configs whose logits reach into the tanh soft-cap's bend (|logits
 sliding windows shorter than the sequence, NoPE layers and perturbed (non-zero) centered norms. The
 residual stream of these configs grows to ~25 over 5 layers (post-norms add unit-RMS outputs), and
 ftitan and HF then differ by a few float32 ulps there (~3e-5 absolute, 1e-6 relative); the head is
-kept at std 0.2 so that this stays under 1e-5 on the logits.
+kept at std 0.15 so that this stays under 1e-5 on the logits (measured <= 6.6e-6, batch_invariant the largest).
 """
 
 import json
@@ -109,7 +109,7 @@ CONFIGS = {
     # default layer pattern (global NoPE layers 0 and 4 of 5), window 4 over 20 tokens, strong soft-cap
     "default_pattern": muse_glimmer.Config(vocab_size=96, dim=64, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=16,
                                            ffn_dim=80, window=4, max_seq_len=128, output_multiplier=0.7,
-                                           logit_softcap=3.0),
+                                           logit_softcap=2.0),
     # explicit patterns: a global RoPE layer, a sliding NoPE layer; multi-query; H * Dh != D
     "custom_pattern": muse_glimmer.Config(vocab_size=80, dim=48, n_layers=3, n_heads=4, n_kv_heads=1, head_dim=8,
                                           ffn_dim=64, window=3, max_seq_len=64, rope_theta=500.0,
@@ -131,7 +131,7 @@ def hf_model(cfg, seed=0):
     m = transformers.MuseGlimmerForConditionalGeneration._from_config(hf_config(cfg), attn_implementation="eager")
     with torch.no_grad():  # centered norms off 0 (HF inits zeros) so mix-ups show; a head that reaches the cap
         for name, p in m.named_parameters():
-            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.2 if name == "lm_head.weight" else 0.02))
+            p.add_(torch.randn_like(p) * (0.1 if "norm" in name else 0.15 if name == "lm_head.weight" else 0.02))
     return m.eval()
 
 
@@ -141,7 +141,7 @@ def ftitan_params(cfg, seed=0):
 
     def perturb(path, x):
         if path == "head":
-            return 10 * x  # std 0.2: logits into the soft-cap's bend
+            return 7.5 * x  # std 0.15: logits into the soft-cap's bend
         return x + 0.1 * torch.randn(x.shape, generator=g) if x.dim() == 1 else x
 
     return tree.map_with_path(perturb, params)
