@@ -20,8 +20,9 @@ Generation: attention layers use the KV cache, Gated DeltaNet layers keep a recu
 cache (``cache.recur``: the conv's last ``K - 1`` inputs and the delta-rule state per layer,
 ``ftitan.infer.init_cache`` sizes both); prefill runs the chunked rule, decode the recurrent one.
 Parallel: FSDP / DDP, tensor parallel (attention heads, key-head groups of the linear attention, MLP
-and expert widths over ``tp``), expert parallel. Not supported (clear errors): context parallelism and
-packed documents (``segments``) for the linear-attention layers.
+and expert widths over ``tp``), expert parallel; packed documents (``segments``: the conv and the state
+restart at each document). Not supported (a clear error): context parallelism for the linear-attention
+layers.
 
 Params tree (a linear-attention layer of the ``qwen3_5`` layout; ``qwen3_next`` has ``wqkvz``
 (Hk*(W + r*Dv), D) and ``wba`` (Hk*2r, D) instead of ``wqkv``, ``wz``, ``wb``, ``wa``; ``W = 2 Dk + r Dv``,
@@ -346,24 +347,28 @@ def _gdn_scan(cfg: Config, conv: torch.Tensor) -> decoder.Scan:
     gated delta rule; state ``{"conv": (B, K - 1, hk*W), "ssm": (B, hv, Dk, Dv) float32}``."""
     dk, dv = cfg.linear_k_dim, cfg.linear_v_dim
 
-    def scan(inputs: tuple[torch.Tensor, ...], state: Any, valid: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-        mixed, g, beta = inputs  # (B, T, C), (B, T, hv), (B, T, hv)
+    def scan(inputs: tuple[Any, ...], state: Any, valid: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
+        mixed, g, beta, segments = inputs  # (B, T, C), (B, T, hv), (B, T, hv), (B, T) int | None
         stop = None
         if valid is not None:  # padding: no conv input, no decay, no write
             mixed, g, beta = mixed * valid[..., None], g * valid[..., None], beta * valid[..., None]
             stop = (valid * torch.arange(1, valid.shape[1] + 1, device=valid.device)).amax(dim=1)
-        y, conv_state = gdn.causal_conv(mixed, conv, None if state is None else state["conv"], stop=stop)
+        y, conv_state = gdn.causal_conv(mixed, conv, None if state is None else state["conv"], stop=stop,
+                                        segments=segments)  # fmt: skip
         bsz, t, _ = y.shape
         y = y.reshape(bsz, t, -1, cfg.group_width)
         q, k, v = y[..., :dk], y[..., dk : 2 * dk], y[..., 2 * dk :].reshape(bsz, t, -1, dv)
-        o, ssm = gdn.delta_rule(q, k, v, g, beta, None if state is None else state["ssm"], chunk=cfg.chunk)
+        o, ssm = gdn.delta_rule(q, k, v, g, beta, None if state is None else state["ssm"], chunk=cfg.chunk,
+                                segments=segments)  # fmt: skip
         return o, {"conv": conv_state, "ssm": ssm}
 
     return scan
 
 
-def _gated_deltanet(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """A Gated DeltaNet layer (module docstring) of ``x`` (B, T, D) normed; state through ``attend``'s cache."""
+def _gated_deltanet(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, attend: Attend,
+                    segments: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """A Gated DeltaNet layer (module docstring) of ``x`` (B, T, D) normed; state through ``attend``'s cache;
+    ``segments`` (B, T) (packed documents): conv and state restart at each document."""
     layout = current()
     if layout is not None and layout.sizes["cp"] > 1:
         raise ValueError("qwen3_next: Gated DeltaNet layers are recurrent over the whole sequence; context "
@@ -373,7 +378,7 @@ def _gated_deltanet(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor,
     mixed, z, b, a = _projections(cfg, p, x)
     beta = torch.sigmoid(b)
     g = -p["A_log"].float().exp() * _softplus(a.float() + p["dt_bias"])
-    o = decoder.recur(attend, _gdn_scan(cfg, p["conv"]), (mixed, g, beta))
+    o = decoder.recur(attend, _gdn_scan(cfg, p["conv"]), (mixed, g, beta, segments))
     o = gdn.gated_rms_norm(o, z, par.tp_shared(p["norm"], "heads"), cfg.norm_eps)
     return par.row_output(nn.linear(o.reshape(bsz, t, -1), p["wo"]))
 
@@ -403,9 +408,6 @@ def _stage(
     segments: torch.Tensor | None = None,
 ) -> base.StageOut:  # h (B, T, D), {layer: MoEStats}, cache
     """Embed (``first``), blocks ``layers``, final norm (``last``): ``apply``'s layer loop and a pipeline stage."""
-    if segments is not None and any(i not in cfg.attention_layers for i in layers):
-        raise ValueError("qwen3_next: packed documents (segments) are not supported by the Gated DeltaNet "
-                         "layers (their state would run across documents); train on unpacked rows")  # fmt: skip
     pos = decoder.stage_positions(x, positions, first=first, family="qwen3_next", segments=segments)
     inv_freq = nn.rope_inv_freq(cfg.rope_dim, cfg.rope_theta, None, device=pos.device)
     cos, sin = nn.rope_cos_sin(pos, inv_freq)
@@ -413,7 +415,7 @@ def _stage(
     def block(i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
         x = _norm(cfg, h, p["attn_norm"])
         h = h + (_attention(cfg, p["attn"], x, cos, sin, attend) if "attn" in p
-                 else _gated_deltanet(cfg, p["gdn"], x, attend))  # fmt: skip
+                 else _gated_deltanet(cfg, p["gdn"], x, attend, segments))  # fmt: skip
         y, stats = _feed_forward(cfg, moe_cfg, p, _norm(cfg, h, p["mlp_norm"]))
         return h + y, stats
 

@@ -59,6 +59,8 @@ def recurrent_delta_rule(
     g: torch.Tensor,  # (B, T, Hv) log decay, <= 0
     beta: torch.Tensor,  # (B, T, Hv) write strength in [0, 1]
     state: torch.Tensor | None = None,  # (B, Hv, Dk, Dv) float32; None: zeros
+    *,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows: the state restarts at each
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, Hv, Dv) in v's dtype, final state (B, Hv, Dk, Dv) float32
     """The gated delta rule one token at a time (decode; the reference of the chunked form)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
@@ -66,6 +68,8 @@ def recurrent_delta_rule(
     s = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state.float()
     out = []
     for i in range(t):
+        if segments is not None and i:  # a new document starts from an empty state
+            s = s * (segments[:, i] == segments[:, i - 1]).to(s.dtype)[:, None, None, None]
         s = s * g[:, :, i, None, None].exp()
         u = beta[:, :, i, None] * (v[:, :, i] - torch.einsum("bhkv,bhk->bhv", s, k[:, :, i]))
         s = s + k[:, :, i, :, None] * u[:, :, None, :]
@@ -83,6 +87,7 @@ def chunked_delta_rule(
     state: torch.Tensor | None = None,  # (B, Hv, Dk, Dv) float32; None: zeros
     *,
     chunk: int = 64,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows: the state restarts at each
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, Hv, Dv) in v's dtype, final state (B, Hv, Dk, Dv) float32
     """The gated delta rule ``chunk`` tokens at a time (training, prefill); see the module docstring.
 
@@ -90,7 +95,10 @@ def chunked_delta_rule(
     entering it, the writes are ``u = U - W S0`` where ``(I + A) U = beta v``, ``(I + A) W = beta
     exp(c) k`` and ``A[i, j] = beta_i exp(c_i - c_j) k_i . k_j`` for ``j < i``; the outputs are
     ``exp(c) q S0 + (exp(c_i - c_j) q_i . k_j)_{j <= i} u`` and the state leaving it
-    ``exp(c_last) S0 + sum_j exp(c_last - c_j) k_j u_j^T``.
+    ``exp(c_last) S0 + sum_j exp(c_last - c_j) k_j u_j^T``. With ``segments`` every term that would
+    cross a document boundary is masked out (pairs in different documents, reads and carries of ``S0``
+    by tokens of a document that starts inside the chunk), which is the recurrence restarted from zeros
+    at each document (``state`` belongs to the first document).
     """
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
@@ -107,21 +115,30 @@ def chunked_delta_rule(
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     # exp(c_i - c_j) for j <= i (<= 1), 0 above the diagonal (masked before exp: no overflow)
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    enter, leave = c.exp(), (c[..., -1:] - c).exp()  # decay from the chunk's start, to its end
+    carry = torch.ones_like(c[..., -1])  # (B, H, N): does the state entering the chunk reach its end?
+    if segments is not None:
+        seg = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1).reshape(b, 1, n, chunk)
+        before = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], dim=2)  # the token before each chunk
+        decay = decay * (seg[..., :, None] == seg[..., None, :])
+        enter = enter * (seg == before)  # tokens of the document the entering state belongs to
+        leave = leave * (seg == seg[..., -1:])  # tokens of the document the leaving state belongs to
+        carry = (seg[..., -1] == before[..., 0]).to(c.dtype).expand_as(carry)
     kb = k * beta[..., None]
     # A below the diagonal; the solve reads the strict lower triangle only (unit diagonal: I + A)
     system = (kb @ k.transpose(-1, -2)) * decay
-    rhs = torch.cat([v * beta[..., None], kb * c.exp()[..., None]], dim=-1)
+    rhs = torch.cat([v * beta[..., None], kb * enter[..., None]], dim=-1)
     uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = uw[..., :dv], uw[..., dv:]
     scores = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
-    q_in = q * c.exp()[..., None]  # reads of the entering state
-    k_out = k * (c[..., -1:] - c).exp()[..., None]  # writes carried to the chunk's end
+    q_in = q * enter[..., None]  # reads of the entering state
+    k_out = k * leave[..., None]  # writes carried to the chunk's end
     s = q.new_zeros(b, h, dk, dv) if state is None else state.float()
     out = []
     for i in range(n):  # only the state crosses chunks
         ui = u[:, :, i] - w[:, :, i] @ s
         out.append(q_in[:, :, i] @ s + scores[:, :, i] @ ui)
-        s = s * c[:, :, i, -1, None, None].exp() + k_out[:, :, i].transpose(-1, -2) @ ui
+        s = s * (enter[:, :, i, -1] * carry[:, :, i])[..., None, None] + k_out[:, :, i].transpose(-1, -2) @ ui
     o = torch.stack(out, dim=2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return o.transpose(1, 2).to(dtype), s
 
@@ -135,11 +152,12 @@ def delta_rule(
     state: torch.Tensor | None = None,  # (B, Hv, Dk, Dv)
     *,
     chunk: int = 64,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`recurrent_delta_rule` for one token (decode), :func:`chunked_delta_rule` otherwise."""
     if q.shape[1] == 1:
         return recurrent_delta_rule(q, k, v, g, beta, state)
-    return chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk)
+    return chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk, segments=segments)
 
 
 def causal_conv(
@@ -148,6 +166,7 @@ def causal_conv(
     state: torch.Tensor | None = None,  # (B, K - 1, C): the K - 1 inputs before x; None: zeros
     *,
     stop: torch.Tensor | None = None,  # (B,) int: the new state ends after token stop[b] - 1; default T
+    segments: torch.Tensor | None = None,  # (B, T) int document ids: no tap reaches into another document
 ) -> tuple[torch.Tensor, torch.Tensor]:  # silu(conv) (B, T, C), new state (B, K - 1, C)
     """Causal depthwise convolution followed by SiLU: ``y_t = silu(sum_j w[:, j] x_{t - K + 1 + j})``.
 
@@ -158,7 +177,12 @@ def causal_conv(
     past = x.new_zeros(b, kernel - 1, ch) if state is None else state.to(x.dtype)
     xp = torch.cat([past, x], dim=1)  # (B, K - 1 + T, C)
     w = w.to(x.dtype)
-    y = sum(xp[:, j : j + t] * w[:, j] for j in range(kernel))
+    if segments is None:
+        y = sum(xp[:, j : j + t] * w[:, j] for j in range(kernel))
+    else:  # the state (if any) belongs to the first document
+        sp = torch.cat([segments[:, :1].expand(b, kernel - 1), segments], dim=1)
+        y = sum(xp[:, j : j + t] * w[:, j] * (sp[:, j : j + t] == segments)[..., None].to(x.dtype)
+                for j in range(kernel))  # fmt: skip
     if stop is None:
         new = xp[:, t:]
     else:

@@ -242,12 +242,22 @@ def test_config_validation(change, message):
         attrs.evolve(CONFIGS["next_moe"], **change)
 
 
-def test_packed_segments_are_refused_with_the_fix():
-    m = qwen3_next.model(CONFIGS["next_moe"])
-    params = m.init(random.key(0))
-    tokens = torch.zeros(1, 8, dtype=torch.long)
-    with pytest.raises(ValueError, match="segments.*train on unpacked rows"):
-        m.apply(params, tokens, segments=torch.zeros(1, 8, dtype=torch.long))
+def test_packed_documents_compute_what_each_document_computes_alone():
+    cfg = CONFIGS["next_moe"]
+    m = qwen3_next.model(cfg)
+    params = random_params(cfg, seed=10)
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (7, 19, 1, 13)]  # 40 tokens, chunk 16
+    segments = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    packed, _ = m.apply(params, torch.cat(docs)[None], segments=segments)
+    alone = torch.cat([m.apply(params, d[None])[0] for d in docs], dim=1)
+    assert float((packed - alone).abs().max()) <= ATOL
+    # the rule and the conv alone: chunked with resets == recurrent with resets
+    q, k = torch.randn(1, 40, 2, 8, generator=g), torch.randn(1, 40, 2, 8, generator=g)
+    v, decay, beta = torch.randn(1, 40, 4, 4, generator=g), -torch.rand(1, 40, 4, generator=g), torch.rand(1, 40, 4)
+    ref, ref_s = gdn.recurrent_delta_rule(q, k, v, decay, beta, segments=segments)
+    got, got_s = gdn.chunked_delta_rule(q, k, v, decay, beta, chunk=16, segments=segments)
+    assert float((got - ref).abs().max()) <= ATOL and float((got_s - ref_s).abs().max()) <= ATOL
 
 
 def test_debug_model_trains_and_compiles_with_router_metrics():
