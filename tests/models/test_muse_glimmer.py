@@ -240,6 +240,22 @@ def test_config_conversion_refusals():
         muse_glimmer_hf.config_from_hf({**text, "sliding_window": None})
 
 
+def test_stages_compose_and_packed_documents_stay_apart():
+    cfg = CONFIGS["default_pattern"]
+    model, params = muse_glimmer.model(cfg), ftitan_params(cfg)
+    tokens = tokens_for(cfg, b=1, t=16)
+    want, _ = model.apply(params, tokens, logits=False)
+    first = model.stage(params, tokens, layers=range(2), first=True, last=False)
+    rest = model.stage(params, first.h, layers=range(2, 5), first=False, last=True)
+    assert torch.equal(rest.h, want) and rest.stats == {}
+    # two documents in one row (windows and positions restart at the second): each as if alone
+    segments = torch.tensor([[0] * 7 + [1] * 9])
+    got, _ = model.apply(params, tokens, segments=segments)
+    for doc in (slice(0, 7), slice(7, 16)):
+        alone, _ = model.apply(params, tokens[:, doc])
+        torch.testing.assert_close(got[:, doc], alone, rtol=0, atol=ATOL)
+
+
 # ------------------------------------------------------------------ generation with the KV cache
 
 PROMPTS = [[5, 17, 3, 48, 41, 9, 60, 7], [11, 2], [70, 71, 72, 73, 74]]
@@ -280,6 +296,8 @@ def test_greedy_generate_equals_argmax_of_the_full_forward():
             logits, _ = model.apply(params, torch.tensor([seq]))
             seq.append(int(logits[0, -1].argmax()))
         assert new == seq[len(prompt) :]
+    # the compiled decode steps (static shapes; the windows are constants of the graph) give the same tokens
+    assert generate(model, params, PROMPTS, max_new_tokens=6, compile="aot_eager") == out
 
 
 # ------------------------------------------------------------------ training
