@@ -153,6 +153,8 @@ def _attention_every(d: Mapping[str, Any], n_layers: int, family: str) -> int:
     if types is None:
         return int(d.get("full_attention_interval", 4))
     full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if len(types) == n_layers and set(types) == {"linear_attention"}:
+        return max(n_layers + 1, 4)  # no full attention (the published interval when that is still none)
     if len(types) != n_layers or not full or set(types) - {"full_attention", "linear_attention"}:
         raise ValueError(f"{family}: HF layer_types {types} is not a pattern of full_attention / linear_attention "
                          f"over {n_layers} layers")  # fmt: skip
