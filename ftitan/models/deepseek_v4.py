@@ -25,6 +25,11 @@ input and re-expanded with a Sinkhorn-projected mixing.
   indexer only); with ``indexer_loss_coef=0`` the indexer gets no gradient
   (top-k is discrete) and ``Model.frozen`` lists its leaves.
 
+Generation: through ``ftitan.infer`` (``init_cache`` / ``prefill`` / ``decode_step`` / ``generate``) the
+cache keeps each layer's attention inputs by position (``max_seq_len + 1`` rows per layer and sequence,
+``sparse_attention.context_scan``) and recomputes the keys and compressed entries from them, so decoding
+equals the full forward (exact, ``O(S)`` recomputation per step: a reference path, not a fast one).
+
 Logits match ``transformers.DeepseekV4ForCausalLM`` (fp32). Not modelled:
 the multi-token-prediction layer of the checkpoints (transformers drops it
 too, ``n_mtp_layers`` only records it), packed ``segments``, context and
@@ -49,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -357,21 +362,50 @@ def block(
     tokens: torch.Tensor,  # (B, T) int
     positions: torch.Tensor,  # (T,) | (B, T)
     *,
-    context: torch.Tensor | None = None,  # (B, S, D) attention inputs of every position so far (a cache's)
     with_kl: bool = False,
-    attn_input: list[torch.Tensor] | None = None,  # receives the attention input (for a cache)
+    attend: Callable[[torch.Tensor], torch.Tensor] | None = None,  # x (B, T, D) -> y: a cache's attention
 ) -> tuple[torch.Tensor, Any, torch.Tensor | None]:  # streams, router stats, indexer KL (B, T) or None
     """One block: attention and MoE, each between a hyper-connection's collapse and expansion."""
     kw = dict(sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
     pre, post, comb = hc.hc_weights(h, _shared(p["attn_hc"]), **kw)
     x = _norm(cfg, hc.hc_collapse(h, pre), p["attn_norm"])
-    if attn_input is not None:
-        attn_input.append(x)
-    y, kl = _attention(attn_cfg, p["attn"], x, positions, context, with_kl)
+    if attend is None:
+        y, kl = _attention(attn_cfg, p["attn"], x, positions, None, with_kl)
+    else:
+        y, kl = attend(x), None
     h = hc.hc_expand(h, y, post, comb)
     pre, post, comb = hc.hc_weights(h, _shared(p["mlp_hc"]), **kw)
     y, stats = _moe(cfg, p["moe"], _norm(cfg, hc.hc_collapse(h, pre), p["mlp_norm"]), tokens)
     return hc.hc_expand(h, y, post, comb), stats, kl
+
+
+def _cached_forward(
+    cfg: Config,
+    attn_cfgs: Mapping[str, sa.SparseAttentionConfig],
+    params: Mapping[str, Any],
+    tokens: torch.Tensor,  # (B, T) int
+    positions: torch.Tensor | None,  # (T,) | (B, T)
+    cache: Any,
+) -> tuple[torch.Tensor, Any]:  # streams (B, T, N, D), cache
+    """The blocks over new tokens through a cache (``base.RecurrentCache``): each layer's state is the
+    buffer of its attention inputs by position (``sparse_attention.context_scan``), from which its keys
+    and compressed entries are recomputed, so the result is the full forward's."""
+    b, t = tokens.shape
+    pos = torch.arange(t, device=tokens.device) if positions is None else positions
+    pos = pos.expand(b, t) if pos.dim() == 1 else pos
+    h = par.embed(tokens, params["embed"]).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)
+    for i in range(cfg.n_layers):
+        p, attn_cfg = params["layers"][str(i)], attn_cfgs[cfg.layer_types[i]]
+        scan = functools.partial(sa.context_scan, p=p["attn"], cfg=attn_cfg, max_seq_len=cfg.max_seq_len)
+        box = [cache]
+
+        def attend(x: torch.Tensor, layer: int = i, scan: Any = scan, box: list[Any] = box) -> torch.Tensor:
+            y, box[0] = box[0].recur(layer, scan, {"x": x, "pos": pos})
+            return y
+
+        h, _, _ = block(cfg, attn_cfg, p, h, tokens, pos, attend=attend)
+        cache = box[0]
+    return h, cache
 
 
 def _apply_with_aux(
@@ -391,7 +425,8 @@ def _apply_with_aux(
         raise ValueError(f"deepseek_v4.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
     _check_layout(positions, segments)
     if cache is not None:
-        return cache.forward(params, tokens, positions=positions, logits=logits)
+        h, cache = _cached_forward(cfg, attn_cfgs, params, tokens, positions, cache)
+        return finish(cfg, params, h, logits=logits), cache, {}
     with_kl = cfg.indexer_loss_coef > 0 if with_kl is None else with_kl
     positions = torch.arange(tokens.shape[1], device=tokens.device) if positions is None else positions
     h = par.embed(tokens, params["embed"])  # (B, T_local, D)

@@ -120,6 +120,10 @@ def hash_moe(
     d = moe_.dispatch(x2, routing, p["router"].shape[0])
     out = moe_.combine(_experts(d.x, d.offs, p["experts"], limit), d, routing)
     sh = p["shared"]
-    out = out + linear(clamped_swiglu(linear(x2, sh["w1"]), linear(x2, sh["w3"]), limit), sh["w2"])
+    if "w13" in sh:  # gate and up stacked (ftitan.infer.fuse_projections)
+        gate, up = linear(x2, sh["w13"]).chunk(2, dim=-1)
+    else:
+        gate, up = linear(x2, sh["w1"]), linear(x2, sh["w3"])
+    out = out + linear(clamped_swiglu(gate, up, limit), sh["w2"])
     n = torch.tensor(float(x2.shape[0]), device=x.device)
     return out.view(shape), moe_.MoEStats(d.counts, routing.probs.sum(0), n)

@@ -50,7 +50,7 @@ from ftitan.nn.param import Param, zeros_init
 from ftitan.nn.rope import YarnRopeScaling, rope_inv_freq
 
 __all__ = ["KINDS", "SparseAttentionConfig", "apply_rope_interleaved", "attention", "attention_params",
-           "compress", "indexer_kl", "rope_pairs", "sink_attention"]  # fmt: skip
+           "compress", "context_scan", "indexer_kl", "rope_pairs", "sink_attention"]  # fmt: skip
 
 Kind = Literal["sliding", "csa", "hca"]
 KINDS: tuple[str, ...] = ("sliding", "csa", "hca")
@@ -303,3 +303,27 @@ def attention(
     w_a = p["wo_a"].view(groups, cfg.o_lora_rank, -1)  # (G, Ro, H * Dh / G)
     o = torch.einsum("btgi,goi->btgo", o.reshape(b, t, groups, -1), w_a).flatten(2)  # (B, T, G * Ro)
     return linear(o, p["wo_b"]), kl
+
+
+def context_scan(
+    inputs: Mapping[str, torch.Tensor],  # {"x": (B, T, D) normed inputs, "pos": (B, T) int positions}
+    state: Mapping[str, torch.Tensor] | None,  # {"x": (B, P + 1, D)}: inputs by position, row P a trash row
+    valid: torch.Tensor | None,  # (B, T) bool: real tokens (padding is not written)
+    *,
+    p: Mapping[str, Any],
+    cfg: SparseAttentionConfig,
+    max_seq_len: int,  # P: positions the buffer holds
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # (B, T, D), new state
+    """One layer's attention through a cache (``base.RecurrentCache.recur``'s ``scan``): write the new
+    inputs at their positions, then attend with the buffer as the ``context``. Keys, compressed entries and
+    the indexer's keys are recomputed from it, so decoding gives the full forward's values (exact, at the
+    cost of recomputing ``O(S)`` projections per step; what a query cannot see, positions after it or
+    windows not yet complete, is masked, so stale rows never matter)."""
+    x, pos = inputs["x"], inputs["pos"]
+    b, t, d = x.shape
+    buf = x.new_zeros(b, max_seq_len + 1, d) if state is None else state["x"]
+    row = pos if valid is None else torch.where(valid, pos, max_seq_len)  # padding goes to the trash row
+    buf = buf.index_put((torch.arange(b, device=x.device)[:, None].expand(b, t), row), x.to(buf.dtype))
+    n = max_seq_len if torch.compiler.is_compiling() else int(pos.max()) + 1  # eager: only the positions used
+    y, _ = attention(x, p, cfg, pos, context=buf[:, :n].to(x.dtype))
+    return y, {"x": buf}
