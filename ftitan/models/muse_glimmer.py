@@ -218,8 +218,10 @@ def output_head(cfg: Config, params: Mapping[str, Any]) -> torch.Tensor:  # (V, 
 
 def _centered_norm(h: torch.Tensor, w: torch.Tensor, eps: float, *, inv: bool) -> torch.Tensor:
     """RMSNorm with scale ``1 + w`` of the residual stream (its own tokens on each rank under sequence
-    parallelism, so the weight's gradient is summed over tp)."""
-    return nn.rms_norm(h, 1 + par.tp_shared(w, "norm_seq"), eps, invariant=inv)
+    parallelism, so the weight's gradient is summed over tp). Scaled in float32 and then cast, as HF: in
+    bfloat16, ``1 + w`` would round a small ``w`` away."""
+    scale = 1 + par.tp_shared(w, "norm_seq").float()
+    return nn.rms_norm(h.float(), scale, eps, invariant=inv).to(h.dtype)
 
 
 def _unit_norm(x: torch.Tensor, eps: float, *, inv: bool) -> torch.Tensor:
