@@ -294,7 +294,7 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
 
 def _norm(cfg: Config, h: torch.Tensor, w: torch.Tensor, logical: str = "norm_seq") -> torch.Tensor:
     """Zero-centered RMSNorm: ``(1 + w) * rms_norm(h)`` (``w`` shared over the tp axes of ``logical``)."""
-    return nn.rms_norm(h, 1 + par.tp_shared(w, logical).float(), cfg.norm_eps)
+    return nn.rms_norm(h, 1 + par.tp_shared(w, logical).to(torch.promote_types(w.dtype, torch.float32)), cfg.norm_eps)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -377,7 +377,8 @@ def _gated_deltanet(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor,
     bsz, t, _ = x.shape
     mixed, z, b, a = _projections(cfg, p, x)
     beta = torch.sigmoid(b)
-    g = -p["A_log"].float().exp() * _softplus(a.float() + p["dt_bias"])
+    f = torch.promote_types(a.dtype, torch.float32)  # float32 decays (float64 kept)
+    g = -p["A_log"].to(f).exp() * _softplus(a.to(f) + p["dt_bias"])
     o = decoder.recur(attend, _gdn_scan(cfg, p["conv"]), (mixed, g, beta, segments))
     o = gdn.gated_rms_norm(o, z, par.tp_shared(p["norm"], "heads"), cfg.norm_eps)
     return par.row_output(nn.linear(o.reshape(bsz, t, -1), p["wo"]))

@@ -40,6 +40,11 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def _compute(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16/fp16/fp32 inputs, float64 kept (finite-difference checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
              ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """float32, heads first ``(B, H, T, ...)``; q and k L2-normalized, q scaled by ``Dk ** -0.5``; k heads
@@ -47,7 +52,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     rep = v.shape[2] // k.shape[2]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    q, k, v, g, beta = (x.transpose(1, 2).float().contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = (x.transpose(1, 2).to(_compute(x.dtype)).contiguous() for x in (q, k, v, g, beta))
     q, k = l2_normalize(q), l2_normalize(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
@@ -65,7 +70,7 @@ def recurrent_delta_rule(
     """The gated delta rule one token at a time (decode; the reference of the chunked form)."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
-    s = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state.float()
+    s = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state.to(q.dtype)
     out = []
     for i in range(t):
         if segments is not None and i:  # a new document starts from an empty state
@@ -133,7 +138,7 @@ def chunked_delta_rule(
     scores = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, C, C)
     q_in = q * enter[..., None]  # reads of the entering state
     k_out = k * leave[..., None]  # writes carried to the chunk's end
-    s = q.new_zeros(b, h, dk, dv) if state is None else state.float()
+    s = q.new_zeros(b, h, dk, dv) if state is None else state.to(q.dtype)
     out = []
     for i in range(n):  # only the state crosses chunks
         ui = u[:, :, i] - w[:, :, i] @ s
@@ -198,6 +203,7 @@ def gated_rms_norm(
     eps: float,
 ) -> torch.Tensor:  # (..., Dv) in x's dtype
     """``w * rms_norm(x) * silu(z)``: the output norm of a Gated DeltaNet head (statistics in float32)."""
-    xf = x.float()
+    f = _compute(x.dtype)
+    xf = x.to(f)
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((w.to(x.dtype) * normed).float() * F.silu(z.float())).to(x.dtype)
+    return ((w.to(x.dtype) * normed).to(f) * F.silu(z.to(f))).to(x.dtype)

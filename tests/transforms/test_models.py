@@ -40,7 +40,8 @@ SHRINK: dict[str, Any] = {
     "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
     "n_experts": 4, "top_k": 2, "expert_dim": 16, "moe_ffn_dim": 16, "n_groups": 2, "topk_groups": 1,
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "max_seq_len": 64,
+    "max_seq_len": 64, "linear_k_heads": 2, "linear_v_heads": 4, "linear_k_dim": 8, "linear_v_dim": 8,
+    "shared_expert_dim": 16, "attention_every": 2,
 }  # fmt: skip
 MAX_PARAMS = 60_000  # a family whose tiny config is bigger needs its size fields in SHRINK
 FAMILIES = sorted(f.name for f in hf.families())
