@@ -293,8 +293,11 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
 
 
 def _norm(cfg: Config, h: torch.Tensor, w: torch.Tensor, logical: str = "norm_seq") -> torch.Tensor:
-    """Zero-centered RMSNorm: ``(1 + w) * rms_norm(h)`` (``w`` shared over the tp axes of ``logical``)."""
-    return nn.rms_norm(h, 1 + par.tp_shared(w, logical).to(torch.promote_types(w.dtype, torch.float32)), cfg.norm_eps)
+    """Zero-centered RMSNorm: ``(1 + w) * rms_norm(h)`` (``w`` shared over the tp axes of ``logical``), scaled in
+    float32 and then cast, as HF (in bf16, ``1 + w`` would round a small ``w`` away)."""
+    x = h.to(torch.promote_types(h.dtype, torch.float32))
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+    return (normed * (1 + par.tp_shared(w, logical).to(x.dtype))).to(h.dtype)
 
 
 def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
