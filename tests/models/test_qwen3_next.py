@@ -283,3 +283,22 @@ def test_debug_model_trains_and_compiles_with_router_metrics():
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         assert losses[-1] < losses[0] - 0.5 and "moe.aux_loss" in metrics, (losses, sorted(metrics))
+
+
+def test_pipeline_stages_compose_to_apply():
+    cfg = CONFIGS["next_moe"]
+    m = qwen3_next.model(cfg)
+    params = random_params(cfg, seed=12)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(13))
+    want, _ = m.apply(params, tokens, logits=False)
+    h, stats, _ = m.stage(params, tokens, layers=range(0, 3), first=True, last=False)  # 3 Gated DeltaNet layers
+    h, more, _ = m.stage(params, h, layers=range(3, 4), first=False, last=True)  # the attention layer
+    assert torch.equal(h, want) and sorted({**stats, **more}) == [0, 1, 2, 3]
+
+
+def test_environment_has_no_fla():
+    # transformers' linear-attention classes fail on CPU when `fla` and triton are both installed (FACTS.md);
+    # the parity tests above rely on its pure-torch fallback
+    import importlib.util
+
+    assert importlib.util.find_spec("fla") is None, "uninstall flash-linear-attention (fla): see FACTS.md"
