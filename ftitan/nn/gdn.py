@@ -68,6 +68,7 @@ def recurrent_delta_rule(
     segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows: the state restarts at each
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, Hv, Dv) in v's dtype, final state (B, Hv, Dk, Dv) float32
     """The gated delta rule one token at a time (decode; the reference of the chunked form)."""
+    dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
     s = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state.to(q.dtype)
@@ -80,7 +81,7 @@ def recurrent_delta_rule(
         s = s + k[:, :, i, :, None] * u[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", s, q[:, :, i]))
     o = torch.stack(out, dim=2) if out else v.new_zeros(b, h, 0, v.shape[-1])
-    return o.transpose(1, 2).to(v.dtype if v.is_floating_point() else o.dtype), s
+    return o.transpose(1, 2).to(dtype), s
 
 
 def chunked_delta_rule(
