@@ -123,6 +123,9 @@ class Config:
         if self.rope_dim < 2 or self.rope_dim % 2 or not 0 < self.partial_rotary <= 1:
             raise ValueError(f"qwen3_next.Config.partial_rotary={self.partial_rotary}: must give an even number "
                              f">= 2 of rotated dims of head_dim={self.head_dim} (got {self.rope_dim})")
+        if invariant.enabled(self):
+            raise ValueError("qwen3_next.Config.attn_impl='batch_invariant': the batch-invariant mode is not "
+                             "implemented for the Gated DeltaNet layers; use 'sdpa' or 'math'")  # fmt: skip
         if self.variant not in ("qwen3_next", "qwen3_5"):
             raise ValueError(f"qwen3_next.Config.variant={self.variant!r}: expected 'qwen3_next' or 'qwen3_5'")
         if self.n_experts < 0 or self.shared_expert_dim < 0 or not self.aux_loss_coef >= 0:
@@ -152,7 +155,7 @@ class Config:
         """The routed experts' config (the gated shared expert is applied by the family)."""
         return MoEConfig(
             n_experts=max(self.n_experts, self.top_k), top_k=self.top_k, expert_dim=self.expert_dim, score_func="softmax",
-            norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef, batch_invariant=invariant.enabled(self),
+            norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef,
         )  # fmt: skip
 
     @property

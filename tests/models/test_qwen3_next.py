@@ -239,6 +239,7 @@ def test_generate_batched_compiled_equals_one_by_one():
         ({"variant": "qwen4"}, "variant='qwen4'"),
         ({"top_k": 9}, "top_k=9 exceeds n_experts=8"),
         ({"dense_layers": (7,)}, r"dense_layers: \[7\] outside"),
+        ({"attn_impl": "batch_invariant"}, "batch-invariant mode is not implemented for the Gated DeltaNet"),
     ],
 )
 def test_config_validation(change, message):
