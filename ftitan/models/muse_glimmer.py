@@ -23,7 +23,7 @@ soft-cap is applied by ``apply(..., logits=True)`` only (:func:`cap_logits`): pa
 ``MuseGlimmerForConditionalGeneration`` imports its text weights, the vision ones are ignored.
 
 Parallel (``ftitan.parallel``): FSDP / DDP, tensor and sequence parallel (heads, gate, MLP
-width, vocab over ``tp``), pipeline stages. Context parallelism refuses sliding windows.
+width, vocab over ``tp``), context parallel (windows on true positions), pipeline stages.
 
 Params tree::
 

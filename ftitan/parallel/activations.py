@@ -177,7 +177,7 @@ def attention(
     keys/values of every cp rank, masked by true positions (head-tail chunks, :func:`cp_positions`).
     With ``segments`` (and ``causal``) a query sees only the earlier keys of its own document
     (``nn.document_mask``; under cp the segments are all-gathered with the keys). ``window``: sliding-window
-    attention (``nn.attention``'s ``window``); not under context parallelism (refused there)."""
+    attention (``nn.attention``'s ``window``), under cp on the true positions of queries and keys."""
     layout = current()
     if segments is not None and not causal:
         raise ValueError("attention: segments (packed documents) come with causal=True")
@@ -186,9 +186,8 @@ def attention(
             return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=nn.document_mask(segments),
                                 window=window)  # fmt: skip
         return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale, window=window)
-    if window is not None:
-        raise ValueError(f"attention: sliding window ({window}) under context parallelism (cp={layout.sizes['cp']}) "
-                         "is not implemented; run windowed models with cp=1")  # fmt: skip
+    if window is not None and (not causal or not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"attention: window={window!r} under context parallelism needs causal=True and an int >= 1")
     cp, group = layout.sizes["cp"], layout.group("cp")
     t_local = q.shape[1]
     t = t_local * cp
@@ -198,6 +197,8 @@ def attention(
         q_pos = cp_positions(t, cp, layout.coords["cp"], device=q.device)
         k_pos = torch.cat([cp_positions(t, cp, r, device=q.device) for r in range(cp)])
         mask = k_pos[None, :] <= q_pos[:, None]  # (T_local, T)
+        if window is not None:  # the window's most recent keys, by true position
+            mask = mask & (k_pos[None, :] > q_pos[:, None] - window)
         if segments is not None:  # the keys' document ids, in the same rank order as the keys
             k_seg = C.all_gather(segments, group, dim=1)  # (B, T)
             mask = mask[None] & (segments[:, :, None] == k_seg[:, None, :])  # (B, T_local, T)
