@@ -31,9 +31,10 @@ cache keeps each layer's attention inputs by position (``max_seq_len + 1`` rows 
 equals the full forward (exact, ``O(S)`` recomputation per step: a reference path, not a fast one).
 
 Logits match ``transformers.DeepseekV4ForCausalLM`` (fp32). Not modelled:
-the multi-token-prediction layer of the checkpoints (transformers drops it
-too, ``n_mtp_layers`` only records it), packed ``segments``, context and
-expert parallelism and pipeline stages (refused with an error).
+(transformers has no MTP either
+too), packed ``segments``, context and
+expert parallelism and pipeline stages (refused with an error). With ``n_mtp_layers`` the
+multi-token-prediction modules of the checkpoints are modelled and trained (``deepseek_v4_mtp``).
 
 Parallel: FSDP (``dp_shard``) and tensor parallel with sequence
 parallelism: query heads, sinks and output groups over ``tp``, the expert
@@ -62,6 +63,7 @@ import torch
 
 from ftitan import nn, tree
 from ftitan.models import base
+from ftitan.models import deepseek_v4_mtp as mtp_
 from ftitan.models.base import Model
 from ftitan.nn import hash_moe as moe_v4
 from ftitan.nn import hyper_connections as hc
@@ -124,7 +126,8 @@ class Config:
     bias_update_rate: float = 1e-3  # step of the aux-loss-free balancing bias (DeepSeek-V3's gamma)
     aux_loss_coef: float = 0.0  # weight of the Switch balancing loss over the learned-routing blocks
     indexer_loss_coef: float = 1.0  # weight of the indexer's KL loss; 0: the indexer is frozen
-    n_mtp_layers: int = 1  # MTP layers of the published checkpoints (recorded, not modelled)
+    n_mtp_layers: int = 0  # multi-token-prediction modules (the checkpoints have 1; transformers builds none)
+    mtp_loss_weight: float = 0.3  # weight of the mean MTP cross-entropy in the training loss (V3's first lambda)
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
@@ -144,8 +147,10 @@ class Config:
                                                 f"{self.o_groups}"),
             (self.top_k <= self.n_experts, f"top_k={self.top_k} exceeds n_experts={self.n_experts}"),
             (0 <= self.n_hash_layers < self.n_layers, f"n_hash_layers={self.n_hash_layers} must be in [0, n_layers)"),
-            (min(self.aux_loss_coef, self.indexer_loss_coef, self.bias_update_rate) >= 0,
-             "aux_loss_coef, indexer_loss_coef and bias_update_rate must be >= 0"),
+            (min(self.aux_loss_coef, self.indexer_loss_coef, self.bias_update_rate, self.mtp_loss_weight) >= 0,
+             "aux_loss_coef, indexer_loss_coef, bias_update_rate and mtp_loss_weight must be >= 0"),
+            (isinstance(self.n_mtp_layers, int) and self.n_mtp_layers >= 0,
+             f"n_mtp_layers={self.n_mtp_layers!r} must be an int >= 0"),
         ]  # fmt: skip
         for ok, message in checks:
             if not ok:
@@ -176,7 +181,7 @@ class Config:
             vocab_size=2048, dim=128, n_layers=4, n_heads=4, head_dim=32, rope_dim=16, q_lora_rank=64, o_groups=2,
             o_lora_rank=32, layer_types=("sliding", "csa", "hca", "csa"), csa_rate=4, hca_rate=16, window=32,
             index_heads=4, index_head_dim=32, index_topk=8, n_experts=8, top_k=2, expert_dim=64, n_hash_layers=1,
-            hc_mult=2, hc_sinkhorn_iters=5, max_seq_len=2048, n_mtp_layers=0,
+            hc_mult=2, hc_sinkhorn_iters=5, max_seq_len=2048,
         )  # fmt: skip
 
     # Published sizes: the transformers DeepseekV4Config defaults (checkpoint deepseek-ai/DeepSeek-V4-Flash-Base)
@@ -232,40 +237,45 @@ def _hash_table_init(n_experts: int) -> nn.Initializer:
     return fn
 
 
+def _block_specs(cfg: Config, kind: str, *, hashed: bool) -> dict[str, Any]:
+    d, std = cfg.dim, cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    moe = moe_v4.hash_moe_params(d, cfg.n_experts, cfg.expert_dim, top_k=cfg.top_k, vocab_size=cfg.vocab_size,
+                                 hashed=hashed, std=std, out_std=out_std)  # fmt: skip
+    if hashed:
+        moe["hash_table"] = attrs.evolve(moe["hash_table"], init=_hash_table_init(cfg.n_experts))
+    return {
+        "attn_hc": hc.hc_params(d, cfg.hc_mult, std=std),
+        "attn_norm": nn.norm_param(d),
+        "attn": sa.attention_params(d, cfg.attention(kind), std=std, out_std=out_std),
+        "mlp_hc": hc.hc_params(d, cfg.hc_mult, std=std),
+        "mlp_norm": nn.norm_param(d),
+        "moe": moe,
+    }
+
+
 def param_specs(cfg: Config) -> dict[str, Any]:
     """Tree of ``nn.Param`` specs (shape, logical axes, init) shaped like the params."""
     d, std = cfg.dim, cfg.init_std
-    out_std = std / math.sqrt(2 * cfg.n_layers)
-
-    def layer(i: int) -> dict[str, Any]:
-        hashed = i < cfg.n_hash_layers
-        moe = moe_v4.hash_moe_params(d, cfg.n_experts, cfg.expert_dim, top_k=cfg.top_k, vocab_size=cfg.vocab_size,
-                                     hashed=hashed, std=std, out_std=out_std)  # fmt: skip
-        if hashed:
-            moe["hash_table"] = attrs.evolve(moe["hash_table"], init=_hash_table_init(cfg.n_experts))
-        return {
-            "attn_hc": hc.hc_params(d, cfg.hc_mult, std=std),
-            "attn_norm": nn.norm_param(d),
-            "attn": sa.attention_params(d, cfg.attention(cfg.layer_types[i]), std=std, out_std=out_std),
-            "mlp_hc": hc.hc_params(d, cfg.hc_mult, std=std),
-            "mlp_norm": nn.norm_param(d),
-            "moe": moe,
-        }
-
-    return {
+    specs = {
         "embed": nn.embed_param(cfg.vocab_size, d, std=std),
-        "layers": {str(i): layer(i) for i in range(cfg.n_layers)},
+        "layers": {str(i): _block_specs(cfg, cfg.layer_types[i], hashed=i < cfg.n_hash_layers)
+                   for i in range(cfg.n_layers)},  # fmt: skip
         "hc_head": hc.hc_head_params(d, cfg.hc_mult, std=std),
         "norm": nn.norm_param(d),
         "head": nn.linear_param(d, cfg.vocab_size, axes=("vocab", "embed"), std=std),
     }
+    if cfg.n_mtp_layers:
+        specs["mtp"] = mtp_.mtp_specs(d, cfg.n_mtp_layers, lambda: _block_specs(cfg, "sliding", hashed=False),
+                                      hc_mult=cfg.hc_mult, std=std)  # fmt: skip
+    return specs
 
 
 def param_counts(cfg: Config) -> tuple[int, int]:
     """``(total, active)``: ``active`` leaves out the ``E - top_k`` routed experts a token does not use per
     block and keeps everything else (embedding, hash tables and biases included)."""
     total = sum(math.prod(s.shape) for s in tree.leaves(param_specs(cfg)))
-    unused = cfg.n_layers * (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.expert_dim
+    unused = (cfg.n_layers + cfg.n_mtp_layers) * (cfg.n_experts - cfg.top_k) * 3 * cfg.dim * cfg.expert_dim
     return total, total - unused
 
 
@@ -280,7 +290,7 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
             continue
         size = math.prod(spec.shape)
         n += size * cfg.top_k // cfg.n_experts if ".experts." in path else size
-    keys = 0.0
+    keys = cfg.n_mtp_layers * min(seq_len, cfg.window)
     for kind in cfg.layer_types:
         keys += min(seq_len, cfg.window)
         if kind == "hca":
@@ -294,6 +304,7 @@ def frozen(cfg: Config) -> tuple[str, ...]:
     """Leaves optimizers leave unchanged: balancing biases (moved by ``update_buffers``), the hash tables,
     and the indexers when ``indexer_loss_coef == 0`` (they would get no gradient: top-k is discrete)."""
     globs = ("layers.*.moe.router_bias", "layers.*.moe.hash_table")
+    globs += ("mtp.*.block.moe.router_bias",) if cfg.n_mtp_layers else ()
     return globs + (("layers.*.attn.indexer.**",) if cfg.indexer_loss_coef == 0 else ())
 
 
@@ -419,7 +430,8 @@ def _apply_with_aux(
     cache: Any = None,
     segments: torch.Tensor | None = None,
     logits: bool = True,
-    with_kl: bool | None = None,
+    with_kl: bool | None = None,  # the indexer's KL (default: when indexer_loss_coef > 0)
+    with_mtp: bool | None = None,  # the MTP losses (default: when n_mtp_layers > 0)
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     if tokens.dim() != 2:
         raise ValueError(f"deepseek_v4.apply: tokens must be (B, T), got shape {tuple(tokens.shape)}")
@@ -439,7 +451,29 @@ def _apply_with_aux(
             learned.append(stats)
         if kl is not None:
             kls.append(kl)
-    return finish(cfg, params, h, logits=logits), None, _aux(cfg, moe_cfg, learned, kls)
+    mtp_losses: list[torch.Tensor] = []
+    if cfg.n_mtp_layers and (with_mtp is None or with_mtp):
+        mtp_losses, stats = _mtp(cfg, attn_cfgs, params, h, tokens)
+        learned += stats
+    aux = _aux(cfg, moe_cfg, learned, kls)
+    if mtp_losses:
+        mtp_loss = torch.stack(mtp_losses).mean()
+        aux["mtp.loss"] = mtp_loss.detach()
+        aux["loss"] = aux["loss"] + cfg.mtp_loss_weight * mtp_loss
+    return finish(cfg, params, h, logits=logits), None, aux
+
+
+def _mtp(cfg: Config, attn_cfgs: Mapping[str, sa.SparseAttentionConfig], params: Mapping[str, Any],
+         h: torch.Tensor, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[Any]]:  # fmt: skip
+    layout = current()
+    if layout is not None and layout.tp > 1:
+        raise NotImplementedError("deepseek_v4: the MTP modules under tensor parallelism are not supported; "
+                                  "train them with dp_shard / dp_replicate, or set n_mtp_layers=0")  # fmt: skip
+
+    def mtp_block(p: Mapping[str, Any], x: torch.Tensor, tok: torch.Tensor, pos: torch.Tensor) -> Any:
+        return block(cfg, attn_cfgs["sliding"], p, x, tok, pos)
+
+    return mtp_.mtp_losses(cfg, params["mtp"], params["embed"], params["head"], h, tokens, mtp_block)
 
 
 def finish(cfg: Config, params: Mapping[str, Any], h: torch.Tensor, *, logits: bool) -> torch.Tensor:
@@ -460,9 +494,9 @@ def _aux(cfg: Config, moe_cfg: moe_.MoEConfig, learned: list[Any], kls: list[tor
 
 def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[str, torch.Tensor]) -> Any:
     """Params with each learned-routing block's ``router_bias`` moved towards balance (``Model.update_buffers``);
-    ``metrics["moe.tokens_per_expert"]`` row ``j`` is block ``n_hash_layers + j``. Pure."""
+    ``metrics["moe.tokens_per_expert"]`` row ``j`` is block ``n_hash_layers + j``, then the MTP blocks. Pure."""
     load = metrics.get("moe.tokens_per_expert")
-    want = (cfg.n_layers - cfg.n_hash_layers, cfg.n_experts)
+    want = (cfg.n_layers - cfg.n_hash_layers + cfg.n_mtp_layers, cfg.n_experts)
     if load is None or tuple(load.shape) != want:
         raise ValueError(f"deepseek_v4.update_buffers: metrics need moe.tokens_per_expert of shape {want} (from "
                          f"model.apply_with_aux), got {None if load is None else tuple(load.shape)}")  # fmt: skip
@@ -473,7 +507,15 @@ def update_router_bias(cfg: Config, params: Mapping[str, Any], metrics: Mapping[
             moe = dict(blk["moe"])
             moe["router_bias"] = moe_.update_router_bias(moe["router_bias"], load[j], cfg.bias_update_rate)
             layers[str(i)] = {**blk, "moe": moe}
-    return {**params, "layers": layers}
+        mtp = {}
+        for k in range(cfg.n_mtp_layers):  # rows after the main blocks'
+            module = dict(params["mtp"][str(k)])
+            blk = dict(module["block"])
+            moe = dict(blk["moe"])
+            row = load[cfg.n_layers - cfg.n_hash_layers + k]
+            moe["router_bias"] = moe_.update_router_bias(moe["router_bias"], row, cfg.bias_update_rate)
+            mtp[str(k)] = {**module, "block": {**blk, "moe": moe}}
+    return {**params, "layers": layers, **({"mtp": mtp} if mtp else {})}
 
 
 def model(cfg: Config) -> Model:
@@ -484,8 +526,10 @@ def model(cfg: Config) -> Model:
     def init(key: torch.Tensor, *, dtype: torch.dtype = torch.float32,
              device: torch.device | str | None = None) -> tree.Tree:  # fmt: skip
         params = nn.init(specs, key, dtype=dtype, device=device)
-        for i in range(cfg.n_layers):
-            moe = params["layers"][str(i)]["moe"]
+        blocks = [params["layers"][str(i)] for i in range(cfg.n_layers)]
+        blocks += [params["mtp"][str(k)]["block"] for k in range(cfg.n_mtp_layers)]
+        for blk in blocks:
+            moe = blk["moe"]
             for name in ("router_bias", "hash_table"):
                 if name in moe:
                     moe[name] = moe[name].to(torch.float32)
@@ -495,7 +539,7 @@ def model(cfg: Config) -> Model:
     apply_with_aux = functools.partial(_apply_with_aux, cfg, attn_cfgs, cfg.moe)
 
     def apply(params: tree.Tree, tokens: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        out, cache, _ = apply_with_aux(params, tokens, with_kl=False, **kwargs)
+        out, cache, _ = apply_with_aux(params, tokens, with_kl=False, with_mtp=False, **kwargs)
         return out, cache
 
     return Model(

@@ -43,12 +43,14 @@ def _hash_table(path: str, name: str) -> hf.WeightMap:
 
 
 def _layer(cfg: v4.Config, i: int) -> list[hf.WeightMap]:
-    pre, at = f"model.layers.{i}", f"layers.{i}"
+    return _block(cfg, f"layers.{i}", f"model.layers.{i}", cfg.layer_types[i], hashed=i < cfg.n_hash_layers)
+
+
+def _block(cfg: v4.Config, at: str, pre: str, kind: str, *, hashed: bool) -> list[hf.WeightMap]:
     maps = [_rename(f"{at}.attn_norm", f"{pre}.attn_norm.weight"), _rename(f"{at}.mlp_norm", f"{pre}.ffn_norm.weight")]
     maps += [_rename(f"{at}.attn_hc.{k}", f"{pre}.hc_attn_{n}") for k, n in _HC.items()]
     maps += [_rename(f"{at}.mlp_hc.{k}", f"{pre}.hc_ffn_{n}") for k, n in _HC.items()]
     maps += [_rename(f"{at}.attn.{k}", f"{pre}.attn.{n}") for k, n in _ATTN.items()]
-    kind = cfg.layer_types[i]
     if kind != "sliding":
         maps += [_rename(f"{at}.attn.compressor.{k}", f"{pre}.attn.compressor.{n}") for k, n in _COMPRESSOR.items()]
     if kind == "csa":
@@ -57,7 +59,7 @@ def _layer(cfg: v4.Config, i: int) -> list[hf.WeightMap]:
         maps += [_rename(f"{at}.attn.indexer.wq_b", f"{pre}.attn.indexer.wq_b.weight"),
                  _rename(f"{at}.attn.indexer.weights_proj", f"{pre}.attn.indexer.weights_proj.weight")]  # fmt: skip
     maps.append(_rename(f"{at}.moe.router", f"{pre}.ffn.gate.weight"))
-    if i < cfg.n_hash_layers:
+    if hashed:
         maps.append(_hash_table(f"{at}.moe.hash_table", f"{pre}.ffn.gate.tid2eid"))
     else:
         maps.append(_rename(f"{at}.moe.router_bias", f"{pre}.ffn.gate.bias"))
@@ -79,6 +81,18 @@ def hf_weights(cfg: v4.Config) -> list[hf.WeightMap]:
     ]
     for i in range(cfg.n_layers):
         maps += _layer(cfg, i)
+    for k in range(cfg.n_mtp_layers):
+        maps += _mtp(cfg, k)
+    return maps
+
+
+def _mtp(cfg: v4.Config, k: int) -> list[hf.WeightMap]:
+    """MTP module ``k`` under the hub's names (``mtp.{k}.*``; transformers ignores them on load)."""
+    pre, at = f"mtp.{k}", f"mtp.{k}"
+    maps = [_rename(f"{at}.{n}", f"{pre}.{n}.weight") for n in ("enorm", "hnorm", "e_proj", "h_proj", "norm")]
+    maps += [_rename(f"{at}.hc_head.{n}", f"{pre}.hc_head_{n}") for n in _HC]
+    for m in _block(cfg, f"{at}.block", pre, "sliding", hashed=False):
+        maps.append(attrs.evolve(m, names=tuple(n.replace(".attn.norm.", ".attn.kv_norm.") for n in m.names)))
     return maps
 
 
@@ -178,7 +192,9 @@ def _n_hash(d: Mapping[str, Any], n: int) -> int:
 
 
 def config_from_hf(d: Mapping[str, Any]) -> v4.Config:
-    """A ``Config`` from an HF ``DeepseekV4Config`` dict (its defaults filled in); refuses what ftitan lacks."""
+    """A ``Config`` from an HF ``DeepseekV4Config`` dict (its defaults filled in); refuses what ftitan lacks.
+    ``n_mtp_layers`` is 0 whatever ``num_nextn_predict_layers`` says: transformers' checkpoints have no MTP
+    weights, and the hub's are quantized."""
     if d.get("quantization_config"):
         raise ValueError("deepseek_v4: the checkpoint is quantized (FP8/FP4); ftitan loads bf16/fp32 weights only: "
                          "dequantize it first")  # fmt: skip
@@ -208,12 +224,12 @@ def config_from_hf(d: Mapping[str, Any]) -> v4.Config:
         rope_theta=float((rope.get("main") or {}).get("rope_theta", d.get("rope_theta", 10_000.0))),
         compress_rope_theta=float((compress or {}).get("rope_theta", d.get("compress_rope_theta", 160_000.0))),
         rope_scaling=_scaling_from_hf(compress or {}), max_seq_len=d.get("max_position_embeddings", 1_048_576),
-        n_mtp_layers=d.get("num_nextn_predict_layers", 1), init_std=float(d.get("initializer_range", 0.02)),
+        n_mtp_layers=0, init_std=float(d.get("initializer_range", 0.02)),
     )  # fmt: skip
 
 
 def _ignored(cfg: v4.Config) -> tuple[str, ...]:
-    return ("mtp.**", "model.mtp.**")  # the MTP layer of the checkpoints: not modelled (transformers drops it too)
+    return ("mtp.**", "model.mtp.**")  # MTP modules: imported configs have n_mtp_layers=0 (transformers has none)
 
 
 hf.register_family(

@@ -371,3 +371,90 @@ def test_generate_greedy_equals_full_forward_argmax():
         for _ in range(10):
             seq.append(int(m.apply(params, torch.tensor([seq]))[0][0, -1].argmax()))
         assert new == seq[len(prompt) :]
+
+
+# ------------------------------------------------------------------ multi-token prediction
+
+
+def _hf_mask(b, t):
+    i = torch.arange(t)
+    visible = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < TINY.window)
+    return torch.zeros(b, 1, t, t).masked_fill(~visible, float("-inf"))
+
+
+def test_mtp_loss_equals_its_formula_around_transformers_blocks(tmp_path):
+    # reference: transformers' own DeepseekV4DecoderLayer / HyperHead / RMSNorm modules holding our weights
+    # (the MTP block exported as a 5th, sliding layer), wired as DeepSeek's MTPBlock; tolerance 1e-5 (fp32,
+    # the same ops; measured in the assertion message)
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hfm
+
+    cfg = attrs.evolve(TINY, n_mtp_layers=1, mtp_loss_weight=0.5)
+    m = v4.model(cfg)
+    params = tree.map(lambda x: x + 0.1 * torch.randn_like(x) if x.dim() == 1 and x.numel() < 100 else x,
+                      m.init(random.key(2)))  # fmt: skip
+    mtp = params["mtp"]["0"]
+    big = attrs.evolve(TINY, n_layers=5, layer_types=(*TINY.layer_types, "sliding"))
+    hf.save_hf({**{k: v for k, v in params.items() if k != "mtp"},
+                "layers": {**params["layers"], "4": mtp["block"]}}, big, tmp_path)  # fmt: skip
+    hm = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = tokens_for(cfg, t=24)
+    t, mdl, hcfg = tokens.shape[1], hm.model, hm.config
+
+    def run(layers, h, ids):
+        pos = torch.arange(ids.shape[1])[None]
+        pe = {k: mdl.rotary_emb(h, position_ids=pos, layer_type=k) for k in ("main", "compress")}
+        for layer in layers:
+            h = layer(h, position_embeddings=pe, position_ids=pos, attention_mask=_hf_mask(*ids.shape),
+                      input_ids=ids)  # fmt: skip
+        return h
+
+    def norm(w):
+        n = hfm.DeepseekV4RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        n.weight.data.copy_(w)
+        return n
+
+    with torch.no_grad():
+        h = run(mdl.layers[:4], mdl.embed_tokens(tokens).unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous(),
+                tokens)  # fmt: skip
+        main = hm.lm_head(mdl.norm(mdl.hc_head(h)))
+        assert (main - m.apply(params, tokens)[0]).abs().max() <= ATOL  # HF's first 4 layers are our main model
+        e = norm(mtp["enorm"])(mdl.embed_tokens(tokens[:, 1:]))
+        x = e @ mtp["e_proj"].T
+        x = x.unsqueeze(2) + norm(mtp["hnorm"])(h[:, : t - 1]) @ mtp["h_proj"].T
+        x = run(mdl.layers[4:], x.contiguous(), tokens[:, 1:])
+        head = hfm.DeepseekV4HyperHead(hcfg)
+        head.load_state_dict({"hc_fn": mtp["hc_head"]["fn"], "hc_base": mtp["hc_head"]["base"],
+                              "hc_scale": mtp["hc_head"]["scale"]})  # fmt: skip
+        logits = hm.lm_head(norm(mtp["norm"])(head(x)))[:, :-1]
+        ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 2:].flatten())
+        _, _, aux = m.apply_with_aux(params, tokens)
+    assert abs(aux["mtp.loss"].item() - ref.item()) <= ATOL, (aux["mtp.loss"].item(), ref.item())
+    torch.testing.assert_close(aux["loss"], 0.5 * ref + TINY.indexer_loss_coef * aux["indexer.kl"], rtol=0, atol=ATOL)
+
+
+def test_mtp_trains_exports_and_moves_its_bias(tmp_path):
+    cfg = attrs.evolve(TINY, n_mtp_layers=1)
+    m = v4.model(cfg)
+    params = m.init(random.key(0))
+    assert v4.param_counts(cfg)[0] == tree.size(params) > v4.param_counts(TINY)[0]
+    opt = ftitan.optim.chain(ftitan.optim.adamw(1e-2), ftitan.optim.freeze(m.frozen))
+    step = ftitan.train.make_train_step(ftitan.train.next_token_loss(m), opt, update_buffers=m.update_buffers)
+    state = ftitan.train.init_state(params, opt)
+    batch = batch_for(cfg, b=4, t=24)
+    first = None
+    for _ in range(15):
+        state, metrics = step(state, batch)
+        first = metrics["mtp.loss"].item() if first is None else first
+    assert metrics["mtp.loss"].item() < 0.8 * first
+    assert metrics["moe.tokens_per_expert"].shape == (cfg.n_layers - cfg.n_hash_layers + 1, cfg.n_experts)
+    bias = (p["mtp"]["0"]["block"]["moe"]["router_bias"] for p in (state.params, params))
+    assert not torch.equal(*bias)  # update_buffers moved the MTP block's bias too
+    state_dict = hf.to_hf(state.params, cfg)
+    assert {"mtp.0.e_proj.weight", "mtp.0.hc_head_fn", "mtp.0.attn.kv_norm.weight",
+            "mtp.0.ffn.experts.7.w2.weight", "mtp.0.ffn.gate.bias"} <= set(state_dict)  # fmt: skip
+    hf.save_hf(state.params, cfg, tmp_path)  # transformers loads the export, skipping mtp.*
+    hm = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    tokens = tokens_for(cfg)
+    with torch.no_grad():
+        assert (hm(input_ids=tokens).logits - m.apply(state.params, tokens)[0]).abs().max() <= ATOL
+    assert hf.load_hf(tmp_path)[0] == attrs.evolve(cfg, n_mtp_layers=0)
