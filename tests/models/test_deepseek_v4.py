@@ -10,6 +10,8 @@ so the sparse selection is exercised (a flipped choice would move logits by
 far more than 1e-5).
 """
 
+import json
+
 import attrs
 import pytest
 import torch
@@ -18,7 +20,7 @@ import transformers
 import ftitan
 from ftitan import random, tree
 from ftitan.models import deepseek_v4 as v4
-from ftitan.models import hf
+from ftitan.models import hf, registry
 from ftitan.nn.rope import YarnRopeScaling
 
 ATOL = 1e-5
@@ -102,6 +104,8 @@ def test_flavors_frozen_hashable_and_registered():
     for name in ("flash", "pro", "debug"):
         c = v4.FLAVORS[name]()
         assert hf.config_from_hf(hf.config_to_hf(c)) == attrs.evolve(c, indexer_loss_coef=1.0, bias_update_rate=1e-3)
+        assert registry.config_from_dict(json.loads(json.dumps(registry.config_to_dict(c)))) == c  # run dirs
+    assert repr(v4.model(cfg)).endswith("experts=256, top_k=6, params=284B)")
 
 
 def _hf_counts(cfg):
@@ -458,3 +462,19 @@ def test_mtp_trains_exports_and_moves_its_bias(tmp_path):
     with torch.no_grad():
         assert (hm(input_ids=tokens).logits - m.apply(state.params, tokens)[0]).abs().max() <= ATOL
     assert hf.load_hf(tmp_path)[0] == attrs.evolve(cfg, n_mtp_layers=0)
+
+
+@pytest.mark.slow
+def test_train_step_compiles_fullgraph_and_matches_eager():
+    # every piece (hyper-connections, compressors, indexer top-k and KL, hash routing, MTP) traces in one
+    # graph; aot_eager runs the same ops, so the losses are equal (~50 s of tracing here)
+    cfg = attrs.evolve(v4.Config.debug(), n_mtp_layers=1)
+    m = v4.model(cfg)
+    opt = ftitan.optim.chain(ftitan.optim.adamw(3e-3), ftitan.optim.freeze(m.frozen))
+    step = ftitan.train.make_train_step(ftitan.train.next_token_loss(m), opt, update_buffers=m.update_buffers)
+    batch = batch_for(cfg, b=2, t=32)
+    state = ftitan.train.init_state(m.init(random.key(0)), opt)
+    _, eager = step(state, batch)
+    _, compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(state, batch)
+    for key in ("loss", "mtp.loss", "indexer.kl"):
+        assert compiled[key].item() == eager[key].item(), key
