@@ -137,8 +137,9 @@ class Config:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"deepseek_v4.Config.{name}={value!r}: must be a positive int")
         checks = [
-            (len(self.layer_types) == self.n_layers, f"layer_types has {len(self.layer_types)} entries for n_layers="
-                                                     f"{self.n_layers}; give one per layer"),
+            (len(self.layer_types) == self.n_layers,
+             f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}; give one per layer "
+             f"(e.g. --model.layer-types sliding csa)"),
             (self.rope_dim % 2 == 0 and self.rope_dim <= min(self.head_dim, self.index_head_dim),
              f"rope_dim={self.rope_dim} must be even and <= head_dim and index_head_dim"),
             (self.n_heads % self.o_groups == 0, f"n_heads={self.n_heads} is not a multiple of o_groups="
