@@ -40,7 +40,7 @@ SHRINK: dict[str, Any] = {
     "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
     "n_experts": 4, "top_k": 2, "expert_dim": 16, "moe_ffn_dim": 16, "n_groups": 2, "topk_groups": 1,
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "max_seq_len": 64, "linear_k_heads": 2, "linear_v_heads": 4, "linear_k_dim": 8, "linear_v_dim": 8,
+    "max_seq_len": 64, "rope_dim": 4, "index_head_dim": 8, "index_heads": 2, "o_lora_rank": 8, "linear_k_heads": 2, "linear_v_heads": 4, "linear_k_dim": 8, "linear_v_dim": 8,
     "shared_expert_dim": 16, "attention_every": 2,
 }  # fmt: skip
 MAX_PARAMS = 60_000  # a family whose tiny config is bigger needs its size fields in SHRINK
@@ -59,7 +59,10 @@ def tiny_model(name: str) -> ft.models.Model:
     fam = _family(name)
     cfg = fam.config_type.debug()
     fields = {f.name for f in attrs.fields(type(cfg))}
-    cfg = attrs.evolve(cfg, **{k: v for k, v in SHRINK.items() if k in fields})
+    shrink = {k: v for k, v in SHRINK.items() if k in fields}
+    if isinstance(getattr(cfg, "layer_types", None), tuple):  # per-layer kinds (DeepSeek-V4): the first n_layers
+        shrink["layer_types"] = cfg.layer_types[: SHRINK["n_layers"]]
+    cfg = attrs.evolve(cfg, **shrink)
     model = fam.model(cfg)
     n = ft.tree.size(model.init(ft.random.key(0), device="meta"))
     assert n <= MAX_PARAMS, f"{name}: tiny config has {n} params; add its size fields to SHRINK"
