@@ -51,12 +51,14 @@ __all__ = [
     "check_names",
     "config_from_hf",
     "config_to_hf",
+    "export_name",
     "families",
     "family_of",
     "from_hf",
     "load_hf",
     "load_hf_sharded",
     "per_layer",
+    "permuted",
     "stacked",
     "register_family",
     "text_decoder",
@@ -88,6 +90,9 @@ class WeightMap:
     # the leaf is the stack of its names' tensors of this shape (per-expert MoE weights, see
     # ``stacked``): a streaming load copies each into its row of the leaf; None: another join
     stack: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    # the leaf is these rows of its one checkpoint tensor, in this order (a row permutation, see ``permuted``):
+    # a streaming load reads only the rows of its block; None: another join
+    rows: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
 
 
 def per_layer(n_layers: int, table: Mapping[str, str]) -> list[WeightMap]:
@@ -116,6 +121,33 @@ def stacked(path: str, names: Sequence[str], shape: tuple[int, ...]) -> WeightMa
     return WeightMap(path=path, names=names, to_hf=lambda x: x.unbind(0), from_hf=join, stack=tuple(shape))
 
 
+def permuted(path: str, name: str, rows: Sequence[int], *, hf_row: Sequence[int] | None = None) -> WeightMap:
+    """A leaf whose row ``i`` is row ``rows[i]`` of checkpoint tensor ``name`` (``rows`` a permutation): e.g. the
+    channels of a fused projection regrouped per head, so that a contiguous split keeps whole heads.
+    ``hf_row``: the checkpoint's shape of one row where it differs from the leaf's flat rows (a Conv1d
+    weight's ``(1, K)`` rows, held as ``(C, K)``)."""
+    rows = tuple(int(r) for r in rows)
+    if sorted(rows) != list(range(len(rows))):
+        raise ValueError(f"permuted({path}): rows must be a permutation of range({len(rows)})")
+    index = torch.tensor(rows)
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(len(rows))
+
+    def join(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        (t,) = tensors
+        if t.shape[0] != len(rows) or (hf_row is not None and tuple(t.shape[1:]) != tuple(hf_row)):
+            raise ValueError(f"{path} (from {name}): checkpoint shape {tuple(t.shape)}, config expects "
+                             f"{(len(rows), *(hf_row or ('...',)))}")  # fmt: skip
+        out = t[index.to(t.device)]
+        return out if hf_row is None else out.reshape(len(rows), -1)
+
+    def split(x: torch.Tensor) -> tuple[torch.Tensor]:
+        out = x[inverse.to(x.device)]
+        return (out if hf_row is None else out.reshape(len(rows), *hf_row),)
+
+    return WeightMap(path=path, names=(name,), to_hf=split, from_hf=join, rows=rows)
+
+
 @attrs.frozen(kw_only=True)
 class Family:
     """What import/export needs to know about one model family."""
@@ -131,6 +163,10 @@ class Family:
     # HF tensors of zero size with no ftitan leaf (DeepSeek-V3's shared experts when n_shared_experts=0):
     # name -> shape; to_hf writes them, from_hf accepts them when empty
     empty: Callable[[Any], dict[str, tuple[int, ...]]] = lambda _cfg: {}
+    # what export writes in place of the table's leading "model." (MULTIMODAL_TEXT: a *ForConditionalGeneration's
+    # text decoder, for families whose HF class is only multimodal; import reads either, see text_decoder);
+    # None: the table's names as they are
+    export_prefix: str | None = None
 
 
 _BY_CONFIG: dict[type, Family] = {}
@@ -204,10 +240,19 @@ def _table(family: Family, cfg: Any, param_paths: Sequence[str]) -> list[WeightM
     return maps
 
 
+def export_name(family: Family, name: str) -> str:
+    """The checkpoint name export writes for the name table's ``name``: ``model.X`` ->
+    ``{family.export_prefix}X`` when the family has one (``lm_head.weight`` and others unchanged)."""
+    if family.export_prefix is None or not name.startswith("model."):
+        return name
+    return family.export_prefix + name[len("model.") :]
+
+
 def to_hf(params: tree.Tree, cfg: Any, *, layout: Layout = "checkpoint") -> dict[str, torch.Tensor]:
     """HF-named tensors for a params tree, in ``layout`` (see the module docstring): ``"checkpoint"``
     (hub files: per-expert tensors, tied weights once) or ``"module"`` (a live transformers 5 model's
-    ``state_dict()``: fused experts, the tied head repeated; for ``hf_model.load_state_dict``)."""
+    ``state_dict()``: fused experts, the tied head repeated; for ``hf_model.load_state_dict``). Names
+    are the family's table's, moved under ``Family.export_prefix`` where it has one (:func:`export_name`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"to_hf: layout={layout!r}; expected one of {LAYOUTS}")
     family = family_of(cfg)
@@ -221,6 +266,8 @@ def to_hf(params: tree.Tree, cfg: Any, *, layout: Layout = "checkpoint") -> dict
         out.update(zip(m.names, tensors, strict=True))
     like = flat[paths[0]]
     out.update({n: like.new_zeros(shape) for n, shape in family.empty(cfg).items()})
+    if family.export_prefix is not None:
+        out = {export_name(family, n): t for n, t in out.items()}
     if layout == "checkpoint":
         return out
     if HEAD_NAME not in out:  # tied: the live module holds the embedding under the head's name too

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -176,6 +177,23 @@ def load_leaf(
         for row, e in enumerate(range(e0, e1)):
             out[row].copy_(ckpt.read(tensors[e], rest))
         return out
+    if m.rows is not None:  # a row permutation: the block's rows, read as runs of consecutive stored rows
+        (v,) = tensors
+        flat = math.prod(v.shape[1:]) == math.prod(like.shape[1:]) and v.shape[1:] != tuple(like.shape[1:])
+        if v.shape[0] != len(m.rows) or not (flat or v.shape[1:] == tuple(like.shape[1:])):
+            raise _shape_error(m.path, m.names, v.shape, like.shape)
+        (r0, r1), rest = block[0], block[1:]
+        if flat:  # rows stored in another shape (a Conv1d's (1, K)): whole rows, reshaped
+            if any((lo, hi) != (0, d) for (lo, hi), d in zip(rest, like.shape[1:], strict=True)):
+                raise ValueError(f"{m.path}: a block {block} that splits the rows of {m.names[0]} {v.shape}")
+            rest = ()
+        want, parts, start = m.rows[r0:r1], [], 0
+        for i in range(1, len(want) + 1):
+            if i == len(want) or want[i] != want[i - 1] + 1:
+                parts.append(ckpt.read(v, ((want[start], want[i - 1] + 1), *rest)).reshape(-1, *out_shape[1:]))
+                start = i
+        out = torch.empty(out_shape, dtype=_target_dtype(ckpt.dtype(v), like, dtype), device=device)
+        return out.copy_(torch.cat(parts)) if parts else out
     # another join (none of the built-in families has one): the whole stored tensors, joined, then the block
     x = m.from_hf(tuple(ckpt.read(v, ()) for v in tensors))
     if tuple(x.shape) != tuple(like.shape):

@@ -13,43 +13,32 @@ groups. Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` are already grouped that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
-
-import torch
 
 from ftitan.models import decoder, hf, qwen3
 from ftitan.models.qwen3_next import Config, model
 
 __all__ = ["config_from_hf", "config_to_hf", "hf_weights"]
 
-def _grouped(cfg: Config) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
-    """``(from HF, to HF)`` row permutations between ``[q_all; k_all; v_all]`` and per-key-head groups."""
+def _grouped_rows(cfg: Config) -> list[int]:
+    """The HF row of each ftitan row: HF holds ``[q of every key head; k of every key head; v of every value
+    head]``, ftitan per key head ``[q_h; k_h; v of its value heads]``."""
     hk, dk = cfg.linear_k_heads, cfg.linear_k_dim
     rv = cfg.linear_v_heads // hk * cfg.linear_v_dim
-
-    def from_hf(t: torch.Tensor) -> torch.Tensor:
-        rest = t.shape[1:]
-        q, k, v = t.split([hk * dk, hk * dk, hk * rv])
-        parts = (q.reshape(hk, dk, *rest), k.reshape(hk, dk, *rest), v.reshape(hk, rv, *rest))
-        return torch.cat(parts, dim=1).reshape(hk * cfg.group_width, *rest)
-
-    def to_hf(t: torch.Tensor) -> torch.Tensor:
-        rest = t.shape[1:]
-        q, k, v = t.reshape(hk, cfg.group_width, *rest).split([dk, dk, rv], dim=1)
-        return torch.cat([x.reshape(-1, *rest) for x in (q, k, v)])
-
-    return from_hf, to_hf
+    rows = []
+    for h in range(hk):
+        rows += [h * dk + j for j in range(dk)]
+        rows += [hk * dk + h * dk + j for j in range(dk)]
+        rows += [2 * hk * dk + h * rv + j for j in range(rv)]
+    return rows
 
 
 def _gdn_maps(cfg: Config, i: int, pre: str) -> list[hf.WeightMap]:
     la, path = f"{pre}layers.{i}.linear_attn", f"layers.{i}.gdn"
-    from_grouped, to_grouped = _grouped(cfg)
-    k = cfg.conv_kernel
+    rows = _grouped_rows(cfg)
     maps = [
-        hf.WeightMap(path=f"{path}.conv", names=(f"{la}.conv1d.weight",),
-                     to_hf=lambda x: (to_grouped(x)[:, None, :],),
-                     from_hf=lambda ts: from_grouped(ts[0].reshape(ts[0].shape[0], k))),
+        hf.permuted(f"{path}.conv", f"{la}.conv1d.weight", rows, hf_row=(1, cfg.conv_kernel)),
         *(hf.WeightMap(path=f"{path}.{leaf}", names=(f"{la}.{name}",)) for leaf, name in (
             ("A_log", "A_log"), ("dt_bias", "dt_bias"), ("norm", "norm.weight"), ("wo", "out_proj.weight"))),
     ]  # fmt: skip
@@ -57,8 +46,7 @@ def _gdn_maps(cfg: Config, i: int, pre: str) -> list[hf.WeightMap]:
         return maps + [hf.WeightMap(path=f"{path}.wqkvz", names=(f"{la}.in_proj_qkvz.weight",)),
                        hf.WeightMap(path=f"{path}.wba", names=(f"{la}.in_proj_ba.weight",))]  # fmt: skip
     return maps + [
-        hf.WeightMap(path=f"{path}.wqkv", names=(f"{la}.in_proj_qkv.weight",),
-                     to_hf=lambda x: (to_grouped(x),), from_hf=lambda ts: from_grouped(ts[0])),
+        hf.permuted(f"{path}.wqkv", f"{la}.in_proj_qkv.weight", rows),
         *(hf.WeightMap(path=f"{path}.{leaf}", names=(f"{la}.in_proj_{name}.weight",)) for leaf, name in (
             ("wz", "z"), ("wb", "b"), ("wa", "a"))),
     ]  # fmt: skip

@@ -20,24 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ftitan as ft
 from ftitan.models import hf
+from tests.tiny_families import tiny_config
 
-SHRINK: dict[str, Any] = {
-    "vocab_size": 64, "dim": 32, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
-    "n_experts": 4, "top_k": 2, "expert_dim": 16, "moe_ffn_dim": 16, "n_groups": 2, "topk_groups": 1,
-    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "max_seq_len": 64, "rope_dim": 4, "index_head_dim": 8, "index_heads": 2, "o_lora_rank": 8, "n_dense_layers": 1,
-}  # fmt: skip
 FAMILIES = sorted(f.name for f in hf.families())
 
 
 def tiny(name: str, **kw: Any) -> Any:
-    family = next(f for f in hf.families() if f.name == name)
-    cfg = family.config_type.debug()
-    fields = {f.name for f in attrs.fields(type(cfg))}
-    shrink = {k: v for k, v in {**SHRINK, **kw}.items() if k in fields}
-    if isinstance(getattr(cfg, "layer_types", None), tuple) and "layer_types" not in kw:  # DeepSeek-V4: first n
-        shrink["layer_types"] = cfg.layer_types[: shrink["n_layers"]]
-    return attrs.evolve(cfg, **shrink)
+    return tiny_config(name, **{"n_layers": 3, "n_dense_layers": 1, **kw})
 
 
 def save(directory: Path, name: str, dtype: torch.dtype, **kw: Any) -> Path:

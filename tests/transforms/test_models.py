@@ -26,23 +26,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
 import pytest
 import torch
 from torch.func import grad, grad_and_value, jvp, vmap
 
 import ftitan as ft
 from ftitan.models import hf
+from ftitan.nn import hash_moe as hash_moe_module
 from ftitan.nn import moe as moe_module
+from ftitan.nn import sparse_attention as sparse_attention_module
+from tests.tiny_families import SHRINK, family, tiny_config
 
-# tiny values for whichever of these fields a family's Config has
-SHRINK: dict[str, Any] = {
-    "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "ffn_dim": 48,
-    "n_experts": 4, "top_k": 2, "expert_dim": 16, "moe_ffn_dim": 16, "n_groups": 2, "topk_groups": 1,
-    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-    "max_seq_len": 64, "rope_dim": 4, "index_head_dim": 8, "index_heads": 2, "o_lora_rank": 8, "linear_k_heads": 2, "linear_v_heads": 4, "linear_k_dim": 8, "linear_v_dim": 8,
-    "shared_expert_dim": 16, "attention_every": 2,
-}  # fmt: skip
 MAX_PARAMS = 60_000  # a family whose tiny config is bigger needs its size fields in SHRINK
 FAMILIES = sorted(f.name for f in hf.families())
 B, T = 3, 8
@@ -51,19 +45,8 @@ F64_FD = {"rtol": 1e-6, "atol": 1e-8}
 STEP = 1e-6
 
 
-def _family(name: str) -> hf.Family:
-    return next(f for f in hf.families() if f.name == name)
-
-
 def tiny_model(name: str) -> ft.models.Model:
-    fam = _family(name)
-    cfg = fam.config_type.debug()
-    fields = {f.name for f in attrs.fields(type(cfg))}
-    shrink = {k: v for k, v in SHRINK.items() if k in fields}
-    if isinstance(getattr(cfg, "layer_types", None), tuple):  # per-layer kinds (DeepSeek-V4): the first n_layers
-        shrink["layer_types"] = cfg.layer_types[: SHRINK["n_layers"]]
-    cfg = attrs.evolve(cfg, **shrink)
-    model = fam.model(cfg)
+    model = family(name).model(tiny_config(name))
     n = ft.tree.size(model.init(ft.random.key(0), device="meta"))
     assert n <= MAX_PARAMS, f"{name}: tiny config has {n} params; add its size fields to SHRINK"
     return model
@@ -88,18 +71,23 @@ def _axpy(a: float, x: Any, y: Any) -> Any:
 
 
 class _RecordRouting:
-    """Records every MoE layer's top-k expert choice (``route``), to assert FD steps keep them."""
+    """Records every discrete choice a forward makes, to assert FD steps keep them: each MoE layer's experts
+    (``nn.moe.route``; DeepSeek-V4's ``nn.hash_moe.route``, hash tables included) and each sparse-attention
+    indexer's top-k mask (``nn.sparse_attention._select``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[torch.Tensor] = []
-        route = moe_module.route
+        for module, name, field in ((moe_module, "route", "experts"), (hash_moe_module, "route", "experts"),
+                                    (sparse_attention_module, "_select", None)):  # fmt: skip
+            monkeypatch.setattr(module, name, self._recording(getattr(module, name), field))
 
-        def recording(*args: Any, **kwargs: Any) -> moe_module.Routing:
-            out = route(*args, **kwargs)
-            self.calls.append(out.experts.clone())
+    def _recording(self, fn: Any, field: str | None) -> Any:
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            self.calls.append((out if field is None else getattr(out, field)).clone())
             return out
 
-        monkeypatch.setattr(moe_module, "route", recording)
+        return recording
 
     def take(self) -> list[torch.Tensor]:
         out, self.calls = self.calls, []
@@ -110,7 +98,7 @@ def _assert_same_routing(*runs: list[torch.Tensor]) -> None:
     for run in runs[1:]:
         assert len(run) == len(runs[0])
         for a, b in zip(runs[0], run, strict=True):
-            assert torch.equal(a, b), "a finite-difference step changed an MoE top-k choice; use a smaller step"
+            assert torch.equal(a, b), "a finite-difference step changed a top-k / routing choice; use a smaller step"
 
 
 def _per_example_vs_loop(model: ft.models.Model, per_example: Any) -> None:
