@@ -35,9 +35,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ftitan import nn
 from ftitan.infer.cache import KVCache, init_cache
 from ftitan.infer.generate import slots_for
+from ftitan.infer.step import head_logits
 
 __all__ = ["SpeculativeStats", "speculative_generate"]
 
@@ -81,7 +81,7 @@ def _mtp(model: Any, params: Any):
 
 
 def _head(model: Any, params: Any, h: torch.Tensor) -> torch.Tensor:  # (..., V)
-    return nn.linear(h, model.head(params), invariant=nn.invariant.enabled(model.config))
+    return head_logits(model, params, h)  # soft-capped where the model caps (the same argmax)
 
 
 def _prompts(prompts: Sequence[Sequence[int]], vocab: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:

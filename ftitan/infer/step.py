@@ -20,18 +20,27 @@ import torch
 
 from ftitan import nn
 from ftitan.infer.cache import Donated, KVCache
+from ftitan.models.base import soft_cap
 
-__all__ = ["DecodeFn", "GreedyFn", "Padding", "PrefillFn", "make_decode_step", "make_greedy_decode", "make_prefill"]
+__all__ = ["DecodeFn", "GreedyFn", "Padding", "PrefillFn", "head_logits", "make_decode_step", "make_greedy_decode",
+           "make_prefill"]
 
 Padding = Literal["left", "right"]
 PrefillFn = Callable[..., tuple[torch.Tensor, KVCache]]
 DecodeFn = Callable[[Any, torch.Tensor, KVCache], tuple[torch.Tensor, KVCache]]
 
 
+def head_logits(model: Any, params: Any, h: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., V)
+    """The logits of final-normed hidden states: the head, then the model's soft-cap (if any), as
+    ``apply(..., logits=True)`` computes them."""
+    z = nn.linear(h, model.head(params), invariant=nn.invariant.enabled(model.config))
+    return soft_cap(z, model.logit_softcap)
+
+
 def _next_logits(model: Any, params: Any, h: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # (B, V)
     """Logits of hidden state ``h[b, last[b]]`` of each row (B, T, D) -> (B, V): the head on B rows only."""
     rows = torch.arange(h.shape[0], device=h.device)
-    return nn.linear(h[rows, last], model.head(params), invariant=nn.invariant.enabled(model.config))
+    return head_logits(model, params, h[rows, last])
 
 
 def _run(model: Any, params: Any, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, donate: bool
@@ -96,7 +105,7 @@ def make_decode_step(model: Any, *, donate: bool = False) -> DecodeFn:
     def decode_step(params: Any, token: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, KVCache]:
         positions = (cache.end - cache.start)[:, None]  # (B, 1)
         h, cache = _run(model, params, token[:, None], positions, cache, donate)
-        logits = nn.linear(h[:, 0], model.head(params), invariant=nn.invariant.enabled(model.config))
+        logits = head_logits(model, params, h[:, 0])
         return logits, KVCache(cache.layers, cache.start, cache.end + 1)
 
     return decode_step

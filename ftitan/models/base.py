@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ftitan.nn.moe import MoEStats
 
 __all__ = ["ApplyAuxFn", "ApplyFn", "AttentionCache", "InitFn", "Model", "RecurrentCache", "StageFn", "StageOut",
-           "drop_aux"]
+           "drop_aux", "soft_cap"]
 
 
 class AttentionCache(Protocol):
@@ -151,6 +151,12 @@ def drop_aux(apply_with_aux: ApplyAuxFn) -> ApplyFn:
     return apply
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma 2's logit soft-cap, Team et al. 2024); ``logits`` unchanged when
+    ``cap`` is None. Elementwise, so every consumer of :attr:`Model.logit_softcap` gets the same bits."""
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
 class Model(NamedTuple):
     """A model family instantiated for one config.
 
@@ -190,6 +196,10 @@ class Model(NamedTuple):
     - ``stage`` (or ``None``): the model split into pipeline stages, see
       :class:`StageFn`; families without it cannot run with ``pp > 1``
       (``ftitan.parallel.pipeline``).
+    - ``logit_softcap`` (or ``None``): the logits are ``cap * tanh(z / cap)`` of the head's
+      ``z = h @ head(params).T`` (:func:`soft_cap`; Gemma 2's final soft-cap). ``apply(..., logits=True)``
+      applies it itself; every consumer of ``apply(..., logits=False)`` + ``head`` (the training
+      loss, ``ftitan.infer``'s steps, log-probs for DPO and RL, the pipeline's last stage) reads it.
     """
 
     config: Any
@@ -202,6 +212,7 @@ class Model(NamedTuple):
     frozen: tuple[str, ...] = ()
     update_buffers: Callable[[tree.Tree, dict[str, torch.Tensor]], tree.Tree] | None = None
     stage: StageFn | None = None
+    logit_softcap: float | None = None
 
     def __repr__(self) -> str:
         """One line: the family, its key sizes and the parameter count, e.g.

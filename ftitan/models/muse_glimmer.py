@@ -17,9 +17,9 @@ A pre- and post-normed GQA decoder with, per the reference implementation:
 
 ``head(params)`` is ``output_multiplier * params["head"]``: the linear part of the logits, so
 the chunked training loss, ``ftitan.infer``'s steps and vLLM apply the multiplier. The tanh
-soft-cap is applied by ``apply(..., logits=True)`` only (:func:`cap_logits`): paths that apply
-``head`` themselves see uncapped logits (same argmax; probabilities differ where logits near
-``cap``). Vision towers are out of scope: an HF checkpoint of the multimodal
+soft-cap is ``Model.logit_softcap``: ``apply(..., logits=True)`` applies it (:func:`cap_logits`), and
+so does every path that applies ``head`` itself (the training loss, the KV-cache steps, DPO/RL
+log-probs, the pipeline's last stage). Vision towers are out of scope: an HF checkpoint of the multimodal
 ``MuseGlimmerForConditionalGeneration`` imports its text weights, the vision ones are ignored.
 
 Parallel (``ftitan.parallel``): FSDP / DDP, tensor and sequence parallel (heads, gate, MLP
@@ -208,7 +208,7 @@ def flops_per_token(cfg: Config, seq_len: int) -> float:
 
 def cap_logits(cfg: Config, logits: torch.Tensor) -> torch.Tensor:
     """``cap * tanh(logits / cap)`` of the head's logits (``h @ head(params).T``, the multiplier applied)."""
-    return cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+    return base.soft_cap(logits, cfg.logit_softcap)
 
 
 def output_head(cfg: Config, params: Mapping[str, Any]) -> torch.Tensor:  # (V, D) | (V / tp, D)
@@ -328,6 +328,7 @@ def model(cfg: Config) -> Model:
         param_axes=nn.axes(specs),
         flops_per_token=functools.partial(flops_per_token, cfg),
         stage=functools.partial(_stage, cfg),
+        logit_softcap=cfg.logit_softcap,
     )
 
 

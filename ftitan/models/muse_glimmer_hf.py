@@ -4,11 +4,11 @@ The HF checkpoint is the multimodal model: the text decoder lives under ``model.
 head is ``lm_head.weight``. As for ftitan's other multimodal families the table holds the ``*ForCausalLM``
 names (``model.layers.{i}...``): ``hf.from_hf`` / ``load_hf`` read a multimodal checkpoint's text
 decoder through ``hf.text_decoder`` (the vision tower, adapter and projection are left out). transformers
-has no Muse Glimmer causal-LM class, so what ``hf.save_hf`` writes (the text weights under those names
-and a ``muse_glimmer`` config whose ``text_config`` is this config, ``vision_config`` left to
-transformers' default) loads into ``MuseGlimmerForConditionalGeneration.from_pretrained(directory,
-key_mapping=HF_KEY_MAPPING)``, which moves the names under ``model.language_model.`` and initializes the
-vision tower afresh.
+has no Muse Glimmer causal-LM class, so export writes the multimodal names (``hf.Family.export_prefix``:
+``model.X`` -> ``model.language_model.X``): what ``hf.save_hf`` writes (the text weights and a
+``muse_glimmer`` config whose ``text_config`` is this config, ``vision_config`` left to transformers'
+default) loads with ``MuseGlimmerForConditionalGeneration.from_pretrained(directory)``, the vision tower
+initialized afresh (transformers warns of its missing weights), and back with ``hf.load_hf``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from typing import Any
 from ftitan.models import hf
 from ftitan.models.muse_glimmer import FULL, SLIDING, Config, default_layer_rope_theta, model
 
-__all__ = ["HF_KEY_MAPPING", "config_from_hf", "config_to_hf", "hf_weights"]
+__all__ = ["config_from_hf", "config_to_hf", "hf_weights"]
 
 PREFIX = "model."  # the *ForCausalLM names; multimodal checkpoints' model.language_model. is read as this
-# transformers' ``from_pretrained(key_mapping=...)`` for what save_hf writes: the text decoder under language_model
-HF_KEY_MAPPING = {r"^model\.(?!language_model\.|vision_)": "model.language_model."}
 _LAYER = {
     "attn_norm": "input_layernorm.weight",
     "attn.wq": "self_attn.q_proj.weight",
@@ -173,5 +171,6 @@ hf.register_family(
         config_to_hf=config_to_hf,
         config_from_hf=config_from_hf,
         ignored=lambda _cfg: IGNORED,
+        export_prefix=hf.MULTIMODAL_TEXT,  # the only HF class is the multimodal one
     )
 )

@@ -266,7 +266,8 @@ class _StageRun:
         if self.last:
             targets = self.micro[m]["targets"]
             ce = cross_entropy(out.reshape(-1, out.shape[-1]), self.model.head(self.params),
-                                       targets.reshape(-1), chunk_size=self.chunk_size)  # fmt: skip
+                                       targets.reshape(-1), chunk_size=self.chunk_size,
+                                       logit_softcap=self.model.logit_softcap)  # fmt: skip
             n_m = (targets != IGNORE_INDEX).sum()
             out = loss_share(ce, n_m, self.n_global, self.layout)
             self.loss = self.loss + out.detach()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ftitan.models.base import soft_cap
 from ftitan.nn import invariant as nn_invariant
 from ftitan.train.dpo import require_whole_vocab, token_logprobs
 from ftitan.train.losses import IGNORE_INDEX, _acc_dtype
@@ -116,15 +117,17 @@ def token_entropy(
     targets: torch.Tensor,  # (N,) int64, IGNORE_INDEX where none is wanted
     *,
     chunk_size: int = 1024,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # (N,) float32 (float64 for float64 params), 0 at ignored targets; detached
-    """Entropy ``-sum_v p_v log p_v`` of ``softmax(h @ w.T)`` per row, one ``(chunk_size, V)`` block at a time.
+    """Entropy ``-sum_v p_v log p_v`` of ``softmax(h @ w.T)`` per row, one ``(chunk_size, V)`` block at a time
+    (the logits soft-capped by ``logit_softcap``, ``ftitan.models.base.soft_cap``, when given).
 
     A metric: computed on detached inputs, so no block is kept for backward.
     """
     h, w32 = h.detach(), w.detach().to(_acc_dtype(w))
     out = []
     for s in range(0, h.shape[0], chunk_size):
-        logp = torch.log_softmax(h[s : s + chunk_size].to(w32.dtype) @ w32.T, dim=-1)  # (C, V)
+        logp = torch.log_softmax(soft_cap(h[s : s + chunk_size].to(w32.dtype) @ w32.T, logit_softcap), dim=-1)
         ent = -(logp.exp() * logp).sum(dim=-1)
         out.append(torch.where(targets[s : s + chunk_size] != IGNORE_INDEX, ent, torch.zeros_like(ent)))
     return torch.cat(out)
@@ -142,9 +145,10 @@ def token_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T) log p(target), (B, T) entropy; 0 where ignored
     """Per-token log-probs of ``targets`` (differentiable) and the policy's entropy (detached) there.
 
-    ``model.apply(params, inputs, logits=False)`` then ``model.head(params)`` in float32 blocks of
-    ``chunk_size`` rows (:func:`ftitan.train.dpo.token_logprobs` for the log-probs, whose fused
-    backward recomputes the blocks; :func:`token_entropy`), so the ``(B, T, V)`` logits never exist.
+    ``model.apply(params, inputs, logits=False)`` then ``model.head(params)`` (soft-capped by the model's
+    ``logit_softcap``) in float32 blocks of ``chunk_size`` rows (:func:`ftitan.train.dpo.token_logprobs`
+    for the log-probs, whose fused backward recomputes the blocks; :func:`token_entropy`), so the
+    ``(B, T, V)`` logits never exist.
     A model in the batch-invariant mode (``ftitan.config.batch_invariant``) gives the log-probs
     ``ftitan.infer.generate(..., logprobs=True)`` gave its samples, bit for bit.
     """
@@ -155,8 +159,11 @@ def token_logprobs_and_entropy(
     extra = {} if positions is None else {"positions": positions}
     h, _ = model.apply(params, inputs, logits=False, **extra)  # (B, T, D)
     h, w, t = h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1)
-    logp = token_logprobs(h, w, t, chunk_size=chunk_size, fused=fused, invariant=nn_invariant.enabled(model.config))
-    return logp.reshape(targets.shape), token_entropy(h, w, t, chunk_size=chunk_size).reshape(targets.shape)
+    cap = model.logit_softcap
+    logp = token_logprobs(h, w, t, chunk_size=chunk_size, fused=fused, invariant=nn_invariant.enabled(model.config),
+                          logit_softcap=cap)  # fmt: skip
+    entropy = token_entropy(h, w, t, chunk_size=chunk_size, logit_softcap=cap)
+    return logp.reshape(targets.shape), entropy.reshape(targets.shape)
 
 
 # ---------------------------------------------------------------------------------------------- the loss

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ftitan.kernels.autodiff import plain_reverse_mode
+from ftitan.models.base import soft_cap
 from ftitan.nn import invariant as nn_invariant
 from ftitan.train.losses import IGNORE_INDEX, _acc_dtype
 
@@ -52,12 +53,12 @@ _APPLY_KEYS = ("positions", "segments")  # optional per-side batch entries passe
 
 
 def _chunk_token_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int,
-                          invariant: bool = False) -> torch.Tensor:  # fmt: skip
+                          invariant: bool = False, cap: float | None = None) -> torch.Tensor:  # fmt: skip
     # h: (C, D); w32: (V, D) float32 (float64 for float64 params); t: (C,) -> (C,) log p(t), 0 where ignored
-    if invariant:  # the generator's own head matmul and log-softmax (ftitan.infer.generate), bit for bit
-        logp = nn_invariant.log_softmax(nn_invariant.linear(h.to(w32.dtype), w32), dim=-1)
+    if invariant:  # the generator's own head matmul, soft-cap and log-softmax (ftitan.infer.generate), bit for bit
+        logp = nn_invariant.log_softmax(soft_cap(nn_invariant.linear(h.to(w32.dtype), w32), cap), dim=-1)
     else:
-        logp = torch.log_softmax(h.to(w32.dtype) @ w32.T, dim=-1)  # (C, V)
+        logp = torch.log_softmax(soft_cap(h.to(w32.dtype) @ w32.T, cap), dim=-1)  # (C, V)
     valid = t != ignore_index
     picked = logp.gather(1, torch.where(valid, t, torch.zeros_like(t))[:, None]).squeeze(1)
     return torch.where(valid, picked, torch.zeros_like(picked))
@@ -73,18 +74,20 @@ class _TokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(h, w, targets, chunk_size: int, ignore_index: int, invariant: bool):  # type: ignore[override]
+    def forward(h, w, targets, chunk_size: int, ignore_index: int, invariant: bool,  # type: ignore[override]
+                cap: float | None):  # fmt: skip
         w32 = w.to(_acc_dtype(w))
         return torch.cat([
-            _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index, invariant)
+            _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index, invariant,
+                                  cap)
             for s in range(0, h.shape[0], chunk_size)
         ])  # fmt: skip
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        h, w, targets, chunk_size, ignore_index, _ = inputs
+        h, w, targets, chunk_size, ignore_index, _, cap = inputs
         ctx.save_for_backward(h, w, targets)
-        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        ctx.chunk_size, ctx.ignore_index, ctx.cap = chunk_size, ignore_index, cap
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor):  # type: ignore[override]
@@ -97,11 +100,16 @@ class _TokenLogprobs(torch.autograd.Function):
             gc = g[s : s + ctx.chunk_size].to(w32.dtype)
             gc = torch.where(valid, gc, torch.zeros_like(gc))
             safe = torch.where(valid, tc, torch.zeros_like(tc))
+            z = hc @ w32.T  # (C, V)
+            th = None if ctx.cap is None else torch.tanh(z / ctx.cap)
+            z = z if th is None else ctx.cap * th  # soft_cap's ops, tanh kept for the chain factor
             # d log p(t) / d logits = onehot(t) - softmax, scaled by each token's incoming gradient
-            d = (-torch.softmax(hc @ w32.T, dim=-1) * gc[:, None]).scatter_add(1, safe[:, None], gc[:, None])
+            d = (-torch.softmax(z, dim=-1) * gc[:, None]).scatter_add(1, safe[:, None], gc[:, None])
+            if th is not None:  # through the soft-cap: 1 - tanh^2
+                d = d * (1 - th * th)
             grad_h.append((d @ w32).to(h.dtype))  # (C, D)
             grad_w = grad_w + d.T @ hc  # (V, D)
-        return torch.cat(grad_h), grad_w.to(w.dtype), None, None, None, None
+        return torch.cat(grad_h), grad_w.to(w.dtype), None, None, None, None, None
 
 
 def token_logprobs(
@@ -112,6 +120,7 @@ def token_logprobs(
     chunk_size: int = 1024,
     fused: bool = True,
     invariant: bool = False,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # (N,) float32 (float64 for float64 params), 0 at ignored targets
     """``log p(targets[i])`` under ``softmax(h @ w.T)``, one ``(chunk_size, V)`` block of logits at a time.
 
@@ -122,7 +131,8 @@ def token_logprobs(
     and with ``fused=False`` it is the same computation in plain differentiable ops, which
     keeps every block for backward. ``invariant``: the head matmul and log-softmax of the
     batch-invariant mode (``ftitan.nn.invariant``), the ones ``ftitan.infer.generate`` scores its
-    samples with, so both give the same bits (the gradient is the ordinary one).
+    samples with, so both give the same bits (the gradient is the ordinary one). ``logit_softcap``:
+    the logits are ``cap * tanh(h @ w.T / cap)`` (a model's ``Model.logit_softcap``; None: plain).
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"token_logprobs: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
@@ -132,10 +142,11 @@ def token_logprobs(
         raise ValueError(f"token_logprobs: chunk_size={chunk_size} must be >= 1")
     needs_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     if fused and needs_grad and plain_reverse_mode():
-        return _TokenLogprobs.apply(h, w, targets, chunk_size, IGNORE_INDEX, invariant)
+        return _TokenLogprobs.apply(h, w, targets, chunk_size, IGNORE_INDEX, invariant, logit_softcap)
     w32 = w.to(_acc_dtype(w))
     return torch.cat([
-        _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], IGNORE_INDEX, invariant)
+        _chunk_token_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], IGNORE_INDEX, invariant,
+                              logit_softcap)
         for s in range(0, h.shape[0], chunk_size)
     ])  # fmt: skip
 
@@ -167,8 +178,8 @@ def completion_logprobs(
     """Summed log-probability of each row's non-ignored targets: ``log pi(completion | prompt)`` (DPO eq. 7).
 
     Runs ``model.apply(params, inputs, logits=False)`` and takes the head
-    (``model.head(params)``) inside :func:`token_logprobs`, so all ``(B, T, V)`` logits never
-    exist at once. A row with no target tokens gets 0.
+    (``model.head(params)``, soft-capped by ``model.logit_softcap``) inside :func:`token_logprobs`, so
+    all ``(B, T, V)`` logits never exist at once. A row with no target tokens gets 0.
     """
     if inputs.shape != targets.shape or inputs.dim() != 2:
         raise ValueError(f"completion_logprobs: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} "
@@ -177,7 +188,7 @@ def completion_logprobs(
     extra = {k: v for k, v in (("positions", positions), ("segments", segments)) if v is not None}
     h, _ = model.apply(params, inputs, logits=False, **extra)  # (B, T, D)
     logp = token_logprobs(h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1),
-                          chunk_size=chunk_size, fused=fused)  # fmt: skip
+                          chunk_size=chunk_size, fused=fused, logit_softcap=model.logit_softcap)  # fmt: skip
     return logp.reshape(targets.shape).sum(dim=1)  # (B,)
 
 

@@ -28,6 +28,7 @@ derivative; pass ``fused=False`` (or use ``torch.func``) for it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,35 +46,42 @@ def _acc_dtype(w: torch.Tensor) -> torch.dtype:
     return torch.promote_types(w.dtype, torch.float32)
 
 
-def _chunk_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int):
+def _chunk_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int, cap: float | None):
     # h: (C, D) any float dtype; w32: (V, D) float32 (float64 for float64 params); t: (C,)
     # one fused log_softmax pass over the (C, V) block; the block is reused in place after
-    logp = torch.log_softmax(h.to(w32.dtype) @ w32.T, dim=-1)  # (C, V)
+    z = h.to(w32.dtype) @ w32.T  # (C, V)
+    th = None
+    if cap is not None:  # soft_cap's ops, with tanh(z / cap) kept for the fused gradient's chain factor
+        th = torch.tanh(z / cap)
+        z = cap * th
+    logp = torch.log_softmax(z, dim=-1)  # (C, V)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
     nll = -logp.gather(1, safe_t[:, None]).squeeze(1)  # (C,)
     loss = torch.where(valid, nll, torch.zeros_like(nll)).sum()
-    return loss, logp, safe_t, valid
+    return loss, logp, safe_t, valid, th
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Sum over valid tokens of ``CE(h @ w.T, t)``, gradients formed in forward."""
+    """Sum over valid tokens of ``CE(soft_cap(h @ w.T), t)``, gradients formed in forward."""
 
     @staticmethod
-    def forward(h, w, targets, chunk_size: int, ignore_index: int):  # type: ignore[override]
+    def forward(h, w, targets, chunk_size: int, ignore_index: int, cap: float | None):  # type: ignore[override]
         w32 = w.to(_acc_dtype(w))
         total = torch.zeros((), dtype=w32.dtype, device=h.device)
         grad_h = torch.empty_like(h)
         grad_w = None
         for start in range(0, h.shape[0], chunk_size):
             hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
-            loss, logp, safe_t, valid = _chunk_logprobs(hc, w32, tc, ignore_index)
+            loss, logp, safe_t, valid, th = _chunk_logprobs(hc, w32, tc, ignore_index, cap)
             total = total + loss
             # d loss / d logits = softmax - onehot, computed in place over the logits block;
             # ignored rows are zeroed on the small (C, D) side instead of the (C, V) block
             dlogits = logp.exp_()
             rows = torch.arange(dlogits.shape[0], device=dlogits.device)
             dlogits.index_put_((rows, safe_t), torch.full_like(rows, -1, dtype=dlogits.dtype), accumulate=True)
+            if th is not None:  # through the soft-cap: d cap tanh(z / cap) / dz = 1 - tanh^2, in place
+                dlogits.mul_(th.square_().neg_().add_(1))
             keep = valid[:, None].to(w32.dtype)  # (C, 1)
             grad_h[start : start + chunk_size] = ((dlogits @ w32) * keep).to(h.dtype)
             contrib = dlogits.T @ (hc.to(w32.dtype) * keep)  # (V, D)
@@ -98,16 +106,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "grad), which selects the plain path itself"
             )
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None
+        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None
 
 
 def _plain_chunked_total(
-    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int, cap: float | None
 ) -> torch.Tensor:  # () float32 (float64 for float64 params)
     """The fused Function's loss in plain ops: differentiable to any order, under any transform."""
     w32 = w.to(_acc_dtype(w))
     return sum(
-        _chunk_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index)[0]
+        _chunk_logprobs(h[s : s + chunk_size], w32, targets[s : s + chunk_size], ignore_index, cap)[0]
         for s in range(0, h.shape[0], chunk_size)
     )
 
@@ -133,6 +141,7 @@ def chunked_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     fused: bool = True,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``h @ w.T`` against ``targets`` without materializing all logits.
 
@@ -150,6 +159,9 @@ def chunked_cross_entropy(
     (``vmap``, ``jvp``, higher derivatives); ``fused=False`` always takes
     the plain path, e.g. for ``torch.autograd.grad(..., create_graph=True)``.
     Both give the same loss and first derivatives to float32 rounding.
+
+    ``logit_softcap``: the logits are ``cap * tanh(h @ w.T / cap)`` (``ftitan.models.base.soft_cap``,
+    a model's ``Model.logit_softcap``), applied to each block before its log-softmax; None: plain logits.
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"chunked_cross_entropy: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
@@ -159,10 +171,12 @@ def chunked_cross_entropy(
         raise ValueError(f"chunked_cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'")
     if chunk_size < 1:
         raise ValueError(f"chunked_cross_entropy: chunk_size={chunk_size} must be >= 1")
+    if logit_softcap is not None and not 0 < logit_softcap < math.inf:
+        raise ValueError(f"chunked_cross_entropy: logit_softcap={logit_softcap!r} must be a finite number > 0 or None")
     if fused and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad) and _fused_is_exact(h, w):
-        total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index)
+        total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index, logit_softcap)
     else:
-        total = _plain_chunked_total(h, w, targets, chunk_size, ignore_index)
+        total = _plain_chunked_total(h, w, targets, chunk_size, ignore_index, logit_softcap)
     if reduction == "sum":
         return total
     count = (targets != ignore_index).sum().clamp(min=1)
@@ -178,6 +192,7 @@ def cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     fused: bool = True,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`chunked_cross_entropy`; vocab-parallel (``ftitan.parallel.loss``) when the current parallel
     layout splits the vocab, so that no rank gathers the head or holds all logits."""
@@ -188,10 +203,12 @@ def cross_entropy(
     layout = parallel_layout.current()
     if layout is not None and layout.axes_of("vocab"):
         return parallel_loss.vocab_parallel_cross_entropy(
-            h, w, targets, layout, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction
+            h, w, targets, layout, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction,
+            logit_softcap=logit_softcap,
         )
     return chunked_cross_entropy(
-        h, w, targets, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction, fused=fused
+        h, w, targets, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction, fused=fused,
+        logit_softcap=logit_softcap,
     )
 
 
@@ -206,7 +223,8 @@ def next_token_loss(
     ``"segments"`` (B, T), passed to ``apply`` so that no token attends to
     another document. The loss is the mean over every target token of the
     batch, whichever row or document holds it. The model runs
-    with ``logits=False`` and the head is applied inside the chunked loss.
+    with ``logits=False`` and the head is applied inside the chunked loss, soft-capped by the
+    model's ``logit_softcap`` (None for most families) as ``apply(..., logits=True)`` is.
     ``aux["n_tokens"]`` counts the tokens that carry loss. For a model with
     ``apply_with_aux`` (MoE), its ``aux["loss"]`` (the weighted balancing
     loss) is added to the loss, ``aux["ce_loss"]`` is the cross-entropy
@@ -227,7 +245,8 @@ def next_token_loss(
         else:
             h, _, model_aux = model.apply_with_aux(params, inputs, logits=False, **packed)
         loss = cross_entropy(
-            h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size, fused=fused
+            h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size, fused=fused,
+            logit_softcap=model.logit_softcap,
         )
         aux = {"n_tokens": (targets != IGNORE_INDEX).sum()}
         if "loss" in model_aux:

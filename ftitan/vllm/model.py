@@ -34,6 +34,7 @@ from ftitan import nn, random, tree
 from ftitan.nn import invariant
 from ftitan.infer.fuse import fuse_projections, fused_slices
 from ftitan.models import hf, registry
+from ftitan.models.base import soft_cap
 from ftitan.vllm._families import ARCHITECTURES, check_supported
 
 __all__ = ["ATTN_IMPL_KEY", "FtitanForCausalLM", "InvariantPagedAttention", "PackedLinear", "PagedAttention",
@@ -243,8 +244,10 @@ class FtitanForCausalLM(tnn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (n, D) -> (n, V)
         """The logits; in the batch-invariant mode the log-probs (``nn.invariant.log_softmax``: the same
         distribution to sample from, and with ``logprobs_mode="raw_logits"``, which ``engine`` sets, vLLM
-        reports these values: the trainer's bits)."""
+        reports these values: the trainer's bits). A soft-capping model's (``Model.logit_softcap``) logits are
+        capped as its ``apply`` caps them."""
         logits = nn.linear(hidden_states, self.model.head(self.runtime_params()), invariant=self.invariant)
+        logits = soft_cap(logits, self.model.logit_softcap)
         return invariant.log_softmax(logits.float(), dim=-1) if self.invariant else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

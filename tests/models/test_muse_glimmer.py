@@ -11,7 +11,6 @@ kept at std 0.15 so that this stays under 1e-5 on the logits (measured <= 6.6e-6
 """
 
 import json
-import re
 
 import attrs
 import pytest
@@ -41,10 +40,9 @@ def test_published_flavor_matches_hf_on_meta():
         hm = transformers.MuseGlimmerForConditionalGeneration(hcfg)
     text = sum(p.numel() for n, p in hm.named_parameters() if n.startswith(("model.language_model.", "lm_head.")))
     assert tree.size(params) == text == 27_854_780_928
-    # ftitan's names (those of a causal LM) moved as HF_KEY_MAPPING moves them: every text parameter of HF's
-    [(pattern, repl)] = muse_glimmer_hf.HF_KEY_MAPPING.items()
-    names = {re.sub(pattern, repl, n) for n in hf.to_hf(params, cfg)}
-    assert names == {n for n, _ in hm.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
+    # export writes the multimodal names (Family.export_prefix): every text parameter of HF's, in both layouts
+    text = {n for n, _ in hm.named_parameters() if n.startswith(("model.language_model.", "lm_head."))}
+    assert set(hf.to_hf(params, cfg)) == text == set(hf.to_hf(params, cfg, layout="module"))
 
 
 def test_flops_per_token_counts_windows():
@@ -186,29 +184,47 @@ def test_save_hf_then_from_pretrained_and_load_hf(name, tmp_path):
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["model_type"] == "muse_glimmer"
     assert written["architectures"] == ["MuseGlimmerForConditionalGeneration"]
+    names = safetensors.torch.load_file(tmp_path / "model.safetensors").keys()
+    assert "model.language_model.layers.0.self_attn.gate_proj.weight" in names and "lm_head.weight" in names
     cfg2, params2 = hf.load_hf(tmp_path)
     assert cfg2 == cfg
     assert all(torch.equal(a, b) for a, b in zip(tree.leaves(params2), tree.leaves(params), strict=True))
+    cfg3, params3 = hf.load_hf_sharded(tmp_path)  # leaf by leaf, through the same multimodal names
+    assert cfg3 == cfg
+    assert all(torch.equal(a, b) for a, b in zip(tree.leaves(params3), tree.leaves(params), strict=True))
     # the written config's text part, read by transformers, is the config; the vision tower (absent from the
-    # file, initialized afresh) is kept tiny here
+    # file, initialized afresh) is kept tiny here. No key_mapping: the names are the multimodal class's own
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert hf.config_from_hf(loaded.to_dict()) == cfg
-    hm = transformers.MuseGlimmerForConditionalGeneration.from_pretrained(
-        tmp_path, config=hf_config(cfg), attn_implementation="eager", key_mapping=muse_glimmer_hf.HF_KEY_MAPPING
-    ).eval()
+    hm, info = transformers.MuseGlimmerForConditionalGeneration.from_pretrained(
+        tmp_path, config=hf_config(cfg), attn_implementation="eager", output_loading_info=True
+    )
+    assert info["missing_keys"] and all(k.startswith("model.vision_") for k in info["missing_keys"]), info
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert torch.equal(hm.model.language_model.layers[0].self_attn.gate_proj.weight,
                        params["layers"]["0"]["attn"]["wg"])  # fmt: skip
-    assert (got - hf_logits(hm, tokens)).abs().max() <= ATOL
+    assert (got - hf_logits(hm.eval(), tokens)).abs().max() <= ATOL
+
+
+def test_streamed_export_writes_what_save_hf_writes(tmp_path):
+    from ftitan.models.hf_export import save_hf_streamed
+
+    cfg = CONFIGS["custom_pattern"]
+    params = ftitan_params(cfg)
+    flat = dict(zip(tree.paths(params), tree.leaves(params), strict=True))
+    hf.save_hf(params, cfg, tmp_path / "whole")
+    save_hf_streamed(flat.__getitem__, cfg, tmp_path / "streamed")
+    assert (tmp_path / "whole/config.json").read_text() == (tmp_path / "streamed/config.json").read_text()
+    whole, streamed = (safetensors.torch.load_file(tmp_path / d / "model.safetensors") for d in ("whole", "streamed"))
+    assert list(streamed) == list(hf.to_hf(params, cfg)) and whole.keys() == streamed.keys()
+    assert all(torch.equal(whole[n], streamed[n]) for n in whole)
 
 
 def test_import_errors_name_the_tensors():
     cfg = CONFIGS["custom_pattern"]
     params = ftitan_params(cfg)
-    state = hf.to_hf(params, cfg)
-    assert len(state) == 12 * 3 + 3
-    # the multimodal checkpoint's names: text under model.language_model., vision towers beside it, ignored
-    [(pattern, repl)] = muse_glimmer_hf.HF_KEY_MAPPING.items()
-    mm = {re.sub(pattern, repl, k): v for k, v in state.items()}
+    mm = hf.to_hf(params, cfg)  # the multimodal checkpoint's names: text under model.language_model.
+    assert len(mm) == 12 * 3 + 3 and sum(k.startswith("model.language_model.") for k in mm) == 12 * 3 + 2
     vision = {"model.vision_tower.layers.0.attn.q_proj.weight": torch.zeros(2, 2),
               "model.vision_projection.weight": torch.zeros(2, 2), "model.vision_adapter.fc1.weight": torch.zeros(1)}
     again = hf.from_hf({**mm, **vision}, cfg)
@@ -281,9 +297,8 @@ def test_prefill_then_decode_equal_the_full_forward(side):
             got[i].append(logits[i])
     for i, s in enumerate(seqs):  # each row alone, no padding, no cache
         full, _ = model.apply(params, torch.tensor([s]))
-        # the steps return the head's logits; apply soft-caps them (the same argmax)
-        capped = muse_glimmer.cap_logits(cfg, torch.stack(got[i]))
-        torch.testing.assert_close(capped, full[0, len(PROMPTS[i]) - 1 :], rtol=0, atol=ATOL)
+        assert full.abs().max() > 0.6 * cfg.logit_softcap  # the steps soft-cap their logits as apply does
+        torch.testing.assert_close(torch.stack(got[i]), full[0, len(PROMPTS[i]) - 1 :], rtol=0, atol=ATOL)
 
 
 def test_greedy_generate_equals_argmax_of_the_full_forward():
