@@ -21,7 +21,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ftitan import random, tree
-from ftitan.models.hf import CONFIG_FILE, WEIGHTS_FILE, _atomic_write, config_to_hf, family_of, to_hf
+from ftitan.models.hf import CONFIG_FILE, WEIGHTS_FILE, _atomic_write, config_to_hf, export_name, family_of, to_hf
 
 __all__ = ["save_hf_streamed"]
 
@@ -70,7 +70,7 @@ def save_hf_streamed(
     meta = tree.map_with_path(lambda p, x: torch.empty(x.shape, dtype=dtypes.get(p, x.dtype), device="meta"), shapes)
     header = to_hf(meta, cfg)  # name -> meta tensor, in the order written below
     maps = [m for m in family.weights(cfg)]
-    names = [n for m in maps for n in m.names]
+    names = [export_name(family, n) for m in maps for n in m.names]
     empties = [n for n in header if n not in set(names)]  # family.empty(cfg): zero-size or zeros
     if names + empties != list(header):
         raise ValueError(f"{family.name}: to_hf's tensor order differs from its name table; fix {family.name}.weights")
@@ -84,6 +84,7 @@ def save_hf_streamed(
                 leaf = read_leaf(m.path)
                 parts = tuple(m.to_hf(leaf)) if m.to_hf else (leaf,)
                 for name, t in zip(m.names, parts, strict=True):
+                    name = export_name(family, name)
                     _append(f, name, t, header[name])
                 del leaf, parts
             for name in empties:

@@ -221,6 +221,7 @@ def lora(model: Model, *, rank: int, alpha: float, targets: Sequence[str] | None
         frozen=tuple(f"base.{g}" for g in model.frozen),
         update_buffers=update_buffers,
         stage=None,  # pipeline stages slice the base layout; LoRA with pp > 1 is not supported yet
+        logit_softcap=model.logit_softcap,
     )
 
 

@@ -220,8 +220,9 @@ def _centered_norm(h: torch.Tensor, w: torch.Tensor, eps: float, *, inv: bool) -
     """RMSNorm with scale ``1 + w`` of the residual stream (its own tokens on each rank under sequence
     parallelism, so the weight's gradient is summed over tp). Scaled in float32 and then cast, as HF: in
     bfloat16, ``1 + w`` would round a small ``w`` away."""
-    scale = 1 + par.tp_shared(w, "norm_seq").float()
-    return nn.rms_norm(h.float(), scale, eps, invariant=inv).to(h.dtype)
+    f = torch.promote_types(h.dtype, torch.float32)  # float64 kept (finite-difference checks)
+    scale = 1 + par.tp_shared(w, "norm_seq").to(f)
+    return nn.rms_norm(h.to(f), scale, eps, invariant=inv).to(h.dtype)
 
 
 def _unit_norm(x: torch.Tensor, eps: float, *, inv: bool) -> torch.Tensor:

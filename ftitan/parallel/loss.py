@@ -28,8 +28,13 @@ from ftitan.parallel.layout import Layout
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
-def _chunk(hc: torch.Tensor, w32: torch.Tensor, tc: torch.Tensor, start: int, group: Any, ignore_index: int):
+def _chunk(hc: torch.Tensor, w32: torch.Tensor, tc: torch.Tensor, start: int, group: Any, ignore_index: int,
+           cap: float | None):  # fmt: skip
     z = hc.float() @ w32.T  # (C, V_local)
+    th = None
+    if cap is not None:  # the soft-capped logits (ftitan.models.base.soft_cap), elementwise on each slice
+        th = torch.tanh(z / cap)
+        z = cap * th
     m = C.all_reduce_value(z.max(-1).values, group, op="max")  # (C,)
     e = torch.exp(z - m[:, None])
     s = C.all_reduce_value(e.sum(-1), group)  # (C,)
@@ -44,6 +49,8 @@ def _chunk(hc: torch.Tensor, w32: torch.Tensor, tc: torch.Tensor, start: int, gr
     dz = e.div_(s[:, None])  # softmax of this slice, in place
     # minus one at the target, for rows whose target is in this slice (others add 0: static shapes, compiles)
     dz.scatter_add_(1, safe[:, None], -mine.to(dz.dtype)[:, None])
+    if th is not None:  # through the soft-cap: 1 - tanh^2
+        dz.mul_(th.square_().neg_().add_(1))
     return loss, dz, valid
 
 
@@ -51,14 +58,15 @@ class _VocabParallelCE(torch.autograd.Function):
     """Sum over valid tokens of the cross-entropy of ``h @ w.T`` with ``w`` this rank's vocab slice."""
 
     @staticmethod
-    def forward(h, w, targets, start: int, group: Any, chunk_size: int, ignore_index: int):  # type: ignore[override]
+    def forward(h, w, targets, start: int, group: Any, chunk_size: int, ignore_index: int,  # type: ignore[override]
+                cap: float | None):  # fmt: skip
         w32 = w.float()
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.empty_like(h)
         grad_w = torch.zeros_like(w32)
         for i in range(0, h.shape[0], chunk_size):
             hc, tc = h[i : i + chunk_size], targets[i : i + chunk_size]
-            loss, dz, valid = _chunk(hc, w32, tc, start, group, ignore_index)
+            loss, dz, valid = _chunk(hc, w32, tc, start, group, ignore_index, cap)
             total = total + loss
             keep = valid[:, None].to(torch.float32)
             grad_h[i : i + chunk_size] = ((dz @ w32) * keep).to(h.dtype)
@@ -76,7 +84,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor, _gh: Any, _gw: Any):  # type: ignore[override]
         grad_h, grad_w = ctx.saved_tensors
         total = C.all_reduce_value(g, ctx.group)  # every tp rank's loss depends on this slice
-        return grad_h * total.to(grad_h.dtype), grad_w * total.to(grad_w.dtype), None, None, None, None, None
+        return grad_h * total.to(grad_h.dtype), grad_w * total.to(grad_w.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -88,10 +96,12 @@ def vocab_parallel_cross_entropy(
     chunk_size: int,
     ignore_index: int,
     reduction: str,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """The cross-entropy of ``h @ w_full.T`` (the same value on every tp rank) from this rank's slice.
 
-    Called by ``ftitan.train.losses.cross_entropy`` when the layout splits ``vocab``.
+    Called by ``ftitan.train.losses.cross_entropy`` when the layout splits ``vocab``. ``logit_softcap``:
+    the logits are ``cap * tanh(h @ w_full.T / cap)`` (elementwise, so each slice caps its own).
     """
     axes = layout.axes_of("vocab")
     if axes != ("tp",):
@@ -99,7 +109,8 @@ def vocab_parallel_cross_entropy(
     if reduction not in ("mean", "sum"):
         raise ValueError(f"cross_entropy: reduction={reduction!r}; use 'mean' or 'sum'")
     start = layout.coords["tp"] * w.shape[0]
-    total, _, _ = _VocabParallelCE.apply(h, w, targets, start, layout.group("tp"), chunk_size, ignore_index)
+    total, _, _ = _VocabParallelCE.apply(h, w, targets, start, layout.group("tp"), chunk_size, ignore_index,
+                                         logit_softcap)  # fmt: skip
     if reduction == "sum":
         return total
     return total / (targets != ignore_index).sum().clamp(min=1)
