@@ -38,7 +38,8 @@ def _rename(path: str, name: str) -> hf.WeightMap:
 
 
 def _hash_table(path: str, name: str) -> hf.WeightMap:
-    return hf.WeightMap(path=path, names=(name,), to_hf=lambda x: (x.to(torch.int64),),
+    # ids rounded as hash_moe.route reads them (a float entry nudged below its id keeps it)
+    return hf.WeightMap(path=path, names=(name,), to_hf=lambda x: (x.round().to(torch.int64),),
                         from_hf=lambda ts: ts[0].to(torch.float32))  # fmt: skip
 
 

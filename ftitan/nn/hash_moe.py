@@ -89,7 +89,8 @@ def route(
     if "hash_table" in p:
         if tokens is None:
             raise ValueError("hash_moe: a hash-routed layer needs the token ids (tokens=)")
-        experts = p["hash_table"][tokens].long()  # (N, k)
+        # round, not truncate: a table entry nudged below its id (a finite-difference step, a cast) keeps it
+        experts = p["hash_table"][tokens].round().long()  # (N, k)
     else:
         experts = (scores + p["router_bias"].to(acc)).topk(top_k, dim=-1).indices
     weights = scores.gather(1, experts)

@@ -16,7 +16,7 @@ RMS-normed, flattened streams gives three per-token mixings:
 A doubly stochastic ``comb`` keeps the residual mapping non-expansive
 across depth. :func:`hc_head` collapses the streams once more (``pre`` only)
 before the final norm. The mixing math runs in float32 whatever the
-activation dtype, as the reference does.
+activation dtype, as the reference does (float64 activations keep float64).
 
 Params of one connection (``hc_params``)::
 
@@ -35,9 +35,16 @@ from ftitan.nn.param import Param, normal_init, ones_init, zeros_init
 __all__ = ["hc_collapse", "hc_expand", "hc_head", "hc_head_params", "hc_params", "hc_weights", "unweighted_rms_norm"]
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """float32 for bf16/fp16/fp32, float64 kept (finite-difference checks)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:  # (..., D) -> (..., D)
-    """``x / sqrt(mean(x^2) + eps)`` without a scale, statistics in float32 (DeepSeek-V4's q and mHC norms)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    """``x / sqrt(mean(x^2) + eps)`` without a scale, statistics in float32 (float64 kept) (DeepSeek-V4's q and
+    mHC norms)."""
+    xf = x.to(_acc(x.dtype))
+    return x * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def hc_params(dim: int, n_streams: int, *, std: float = 0.02) -> dict[str, Param]:
@@ -61,8 +68,9 @@ def hc_head_params(dim: int, n_streams: int, *, std: float = 0.02) -> dict[str, 
 
 
 def _mix(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:  # (B, T, N, D) -> (B, T, rows) fp32
-    flat = unweighted_rms_norm(h.flatten(-2).float(), norm_eps)
-    return flat @ fn.float().t()
+    acc = _acc(h.dtype)
+    flat = unweighted_rms_norm(h.flatten(-2).to(acc), norm_eps)
+    return flat @ fn.to(acc).t()
 
 
 def hc_weights(
@@ -72,12 +80,13 @@ def hc_weights(
     sinkhorn_iters: int,
     eps: float,  # floor of pre / comb and of the Sinkhorn denominators (HF hc_eps)
     norm_eps: float,  # epsilon of the input RMS norm (HF rms_norm_eps)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pre (B, T, N), post (B, T, N), comb (B, T, N, N): fp32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pre (B, T, N), post (B, T, N), comb (B, T, N, N): fp32 | fp64
     """The three mixings of one connection (see the module docstring)."""
     n = h.shape[-2]
     pre_w, post_w, comb_w = _mix(h, p["fn"], norm_eps).split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = p["base"].float().split([n, n, n * n])
-    s_pre, s_post, s_comb = p["scale"].float().unbind(0)
+    acc = _acc(h.dtype)
+    pre_b, post_b, comb_b = p["base"].to(acc).split([n, n, n * n])
+    s_pre, s_post, s_comb = p["scale"].to(acc).unbind(0)
     pre = torch.sigmoid(pre_w * s_pre + pre_b) + eps
     post = 2 * torch.sigmoid(post_w * s_post + post_b)
     logits = comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n)
@@ -113,5 +122,6 @@ def hc_head(
     norm_eps: float,
 ) -> torch.Tensor:  # (B, T, D)
     """The final collapse of the streams: ``sum_n (sigmoid(fn(h) * scale + base) + eps)_n h_n``."""
-    pre = torch.sigmoid(_mix(h, p["fn"], norm_eps) * p["scale"].float() + p["base"].float()) + eps
+    acc = _acc(h.dtype)
+    pre = torch.sigmoid(_mix(h, p["fn"], norm_eps) * p["scale"].to(acc) + p["base"].to(acc)) + eps
     return hc_collapse(h, pre)

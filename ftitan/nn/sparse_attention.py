@@ -127,13 +127,14 @@ def rope_pairs(positions: torch.Tensor, dim: int, theta: float,
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the last ``2 * cos.shape[-1]`` dims of ``x`` (B, T, H, D) as pairs ``(x_2i, x_2i+1)`` by the
-    angles in ``cos``/``sin`` (T | B, T, Dr / 2), in float32; the leading dims pass unchanged."""
+    angles in ``cos``/``sin`` (T | B, T, Dr / 2), in float32 (float64 kept); the leading dims pass unchanged."""
     cos = cos.repeat_interleave(2, dim=-1).unsqueeze(-2)
     sin = sin.repeat_interleave(2, dim=-1).unsqueeze(-2)
     dr = cos.shape[-1]
     nope, rope = x[..., :-dr], x[..., -dr:]
     turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # (-x_2i+1, x_2i) pairs
-    rotated = (rope.float() * cos + turned.float() * sin).to(x.dtype)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    rotated = (rope.to(acc) * cos + turned.to(acc) * sin).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
 
 
@@ -161,7 +162,8 @@ def compress(
         prev_gate = torch.cat([pad_gate, gate[:, :-1, :, :width]], dim=1)
         kv = torch.cat([prev_kv, kv[..., width:]], dim=2)  # (B, n, 2r, width)
         gate = torch.cat([prev_gate, gate[..., width:]], dim=2)
-    pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+    weights = gate.softmax(dim=2, dtype=torch.promote_types(gate.dtype, torch.float32))  # float32; float64 kept
+    pooled = (kv * weights.to(kv.dtype)).sum(dim=2)
     entries = rms_norm(pooled, p["norm"], cfg.norm_eps)  # (B, n, width)
     positions = torch.arange(n, device=x.device) * r
     cos, sin = rope_pairs(positions, cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -181,13 +183,14 @@ def _indexer_scores(
     cos: torch.Tensor,
     sin: torch.Tensor,
     cfg: SparseAttentionConfig,
-) -> torch.Tensor:  # (B, T, n) float32
+) -> torch.Tensor:  # (B, T, n) float32 (float64 for float64 inputs)
     b, t, _ = x.shape
+    acc = torch.promote_types(x.dtype, torch.float32)
     q = linear(q_latent, p["wq_b"]).view(b, t, cfg.index_heads, cfg.index_head_dim)
     q = apply_rope_interleaved(q, cos, sin)
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))  # (B, T, Hi, n)
+    scores = torch.matmul(q.to(acc), keys.transpose(-1, -2).to(acc).unsqueeze(1))  # (B, T, Hi, n)
     scores = torch.relu(scores) * cfg.index_head_dim**-0.5
-    w = linear(x, p["weights_proj"]).float() * cfg.index_heads**-0.5  # (B, T, Hi)
+    w = linear(x, p["weights_proj"]).to(acc) * cfg.index_heads**-0.5  # (B, T, Hi)
     return (scores * w.unsqueeze(-1)).sum(dim=2)
 
 
@@ -221,6 +224,15 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _stop_gradient(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` outside the reverse-mode graph, as ``x.detach()``, that keeps ``x``'s forward-mode
+    tangent (``torch.no_grad`` blocks reverse mode only; ``detach`` drops both): the gradient is the same,
+    and a ``jvp`` of the gradient (forward-over-reverse Hessian-vector products) differentiates all of
+    what the gradient depends on, so it equals finite differences of the gradient."""
+    with torch.no_grad():
+        return x.clone()
+
+
 def indexer_kl(
     q: torch.Tensor,  # (B, T, H, Dh) the main attention's queries
     kv: torch.Tensor,  # (B, S, Dh) raw keys
@@ -234,7 +246,9 @@ def indexer_kl(
 ) -> torch.Tensor:  # (B, T) float32: 0 where a query has no completed entry
     """The indexer's training signal: ``KL(p_t || softmax(I_t))`` over the completed entries, ``p_t`` the
     main attention's probabilities of those entries under dense attention (all of them visible), summed
-    over heads and L1-normalized, detached (DeepSeek-V3.2 sec. 2.1, the dense warm-up)."""
+    over heads and L1-normalized, detached (DeepSeek-V3.2 sec. 2.1, the dense warm-up): ``p_t`` is computed
+    under ``torch.no_grad``, so no gradient reaches ``q``/``kv``/``entries``/``sinks`` while their
+    forward-mode tangents still flow (see :func:`_stop_gradient`)."""
     with torch.no_grad():
         keys = torch.cat([kv, entries], dim=1)
         vis = torch.cat([window_visible.expand(*completed.shape[:-1], -1), completed], dim=-1)
@@ -285,16 +299,15 @@ def attention(
         chosen = completed
         if cfg.kind == "csa":
             ip = p["indexer"]
+            x_i, latent_i, ctx_i = x, q_latent, ctx
             if compute_indexer_loss:  # the indexer trains on its own loss only (V3.2: inputs detached)
-                x_i, latent_i = x.detach(), q_latent.detach()
-            else:
-                x_i, latent_i = x, q_latent
-            ikeys = compress(ctx.detach() if compute_indexer_loss else ctx, ip["compressor"], cfg, cfg.index_head_dim)
+                x_i, latent_i = _stop_gradient(x), _stop_gradient(q_latent)
+                ctx_i = x_i if context is None else _stop_gradient(ctx)
+            ikeys = compress(ctx_i, ip["compressor"], cfg, cfg.index_head_dim)
             iscores = _indexer_scores(x_i, latent_i, ikeys, ip, cos, sin, cfg)
             chosen = _select(iscores.detach(), completed, cfg.index_topk)
             if compute_indexer_loss:
-                kl = indexer_kl(q.detach(), kv.detach(), entries.detach(), p["sinks"].detach(), window, completed,
-                                iscores, dh**-0.5, head_sum)  # fmt: skip
+                kl = indexer_kl(q, kv, entries, p["sinks"], window, completed, iscores, dh**-0.5, head_sum)
         keys = torch.cat([kv, entries], dim=1)
         visible = torch.cat([window.expand(*chosen.shape[:-1], -1), chosen], dim=-1)
     o = sink_attention(q, keys, p["sinks"], visible, dh**-0.5)  # (B, T, H_local, Dh)
