@@ -105,7 +105,7 @@ def module_apply(
     return h, nn.rms_norm(h, p["norm"], norm_eps), written(), stats
 
 
-def _targets(tokens: torch.Tensor, k: int, segments: torch.Tensor | None) -> torch.Tensor:  # (B, T - k - 1)
+def _targets(tokens: torch.Tensor, k: int, segments: torch.Tensor | None) -> torch.Tensor:  # (B, T - k - 2)
     """Depth ``k + 1``'s targets at positions ``0 .. T-k-2``: ``t_{i+k+2}``; ``IGNORE_INDEX`` where it
     lies in another document than position ``i``."""
     from ftitan.train.losses import IGNORE_INDEX  # ftitan.train imports the models

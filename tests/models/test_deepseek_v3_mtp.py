@@ -244,3 +244,27 @@ def test_compiled_loss_and_grad_match_eager():
     for a, b in zip(tree.leaves(gc), tree.leaves(g), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert g["mtp"]["0"]["eh_proj"].abs().sum() > 0 and g["mtp"]["0"]["block"]["moe"]["router"].abs().sum() > 0
+
+
+def test_mtp_recipe_trains_through_the_trainer_and_reloads(tmp_path):
+    # `ftitan train --recipe deepseek-v3-debug-mtp`, shrunk (2 layers, V=384, 8 x 32 tokens, 30 eager steps)
+    import ftitan as ft
+    from ftitan.config import parse_train_args
+    from ftitan.train.trainer import load_run, train
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for _, d in zip(range(60), ft.data.stdlib_corpus())))
+    cfg = parse_train_args([
+        "--recipe", "deepseek-v3-debug-mtp", "--data.corpus", str(corpus), "--data.vocab-size", "384",
+        "--model.vocab-size", "384", "--model.n-layers", "2", "--data.seq-len", "32", "--data.batch-size", "8",
+        "--steps", "30", "--optim.warmup", "3", "--eval-every", "30", "--eval-batches", "1", "--log-every", "1",
+        "--ckpt-every", "30", "--compile", "False", "--run-dir", str(tmp_path / "run"),
+    ])  # fmt: skip
+    assert cfg.model.n_mtp_layers == 1
+    out = train(cfg, progress=False)
+    records = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    mtp_losses = [r["mtp.ce_loss"] for r in records]
+    assert len(mtp_losses) == 30 and sum(mtp_losses[-5:]) / 5 < sum(mtp_losses[:5]) / 5 - 0.5, mtp_losses
+    assert all(len(r["moe.tokens_per_expert"]) == cfg.model.n_moe_layers + 1 for r in records)
+    _, _, params, _, step = load_run(tmp_path / "run")
+    assert step == 30 and torch.equal(params["mtp"]["0"]["eh_proj"], out["params"]["mtp"]["0"]["eh_proj"])

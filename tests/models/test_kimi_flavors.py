@@ -32,6 +32,15 @@ TORCHTITAN_K2X = dict(
 NEW = ("kimi_k2_6", "kimi_k2_7")
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # with the 2 cores shared, OpenMP's spinning barriers made the trainer test ~50x slower on 2 threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("flavor", NEW)
 def test_flavor_matches_torchtitan_numbers(flavor):
     cfg = ds.FLAVORS[flavor]()
@@ -74,3 +83,29 @@ def test_mtp_module_counts_as_one_more_moe_block():
     with_mtp = attrs.evolve(cfg, n_mtp_layers=1)
     block = ds.param_counts(attrs.evolve(cfg, n_layers=62))[0] - ds.param_counts(cfg)[0]
     assert ds.param_counts(with_mtp)[0] - ds.param_counts(cfg)[0] == block + 2 * cfg.dim**2 + 3 * cfg.dim
+
+
+def test_kimi_k2_7_debug_recipe_trains_through_the_trainer(tmp_path):
+    # `ftitan train --recipe kimi-k2.7-debug`, shrunk (2 layers, V=384, 8 x 32 tokens, 30 eager steps)
+    import json
+
+    import ftitan as ft
+    from ftitan.config import get_recipe, parse_train_args
+    from ftitan.train.trainer import train
+
+    k27 = ds.Config.kimi_k2_7()
+    model = get_recipe("kimi-k2.7-debug").model
+    assert (model.norm_eps, model.rope_theta, model.routed_scale, model.n_groups) == (1e-5, 50_000.0, 2.827, 1)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for _, d in zip(range(60), ft.data.stdlib_corpus())))
+    cfg = parse_train_args([
+        "--recipe", "kimi-k2.7-debug", "--data.corpus", str(corpus), "--data.vocab-size", "384",
+        "--model.vocab-size", "384", "--model.n-layers", "2", "--data.seq-len", "32", "--data.batch-size", "8",
+        "--steps", "30", "--optim.warmup", "3", "--eval-every", "30", "--eval-batches", "1", "--log-every", "1",
+        "--ckpt-every", "30", "--compile", "False", "--run-dir", str(tmp_path / "run"),
+    ])  # fmt: skip
+    assert cfg.model.norm_eps == k27.norm_eps
+    train(cfg, progress=False)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
