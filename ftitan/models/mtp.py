@@ -25,7 +25,9 @@ loss ``ftitan.train.next_token_loss`` calls with the inputs only) adds
 the inputs shifted by ``k + 1``: depth ``k`` scores positions
 ``0 .. T-k-2``, and the last position of each depth (whose target lies past
 the row) is dropped, as is any position whose target is in another packed
-document (``segments``). The batch's ``targets`` are not seen, so prompt
+document (``segments``). Each ``CE_k`` is the mean over the global batch
+(summed over the data axes), so data and expert parallelism give the
+single-process loss. The batch's ``targets`` are not seen, so prompt
 masking (``IGNORE_INDEX``) applies to the main loss only. This keeps the
 loss function and the ``Model`` interface unchanged, at the cost of one
 scored position per row and depth.
@@ -130,7 +132,7 @@ def mtp_losses(
 ) -> tuple[list[torch.Tensor], list[Any]]:  # CE_k per module (0-d, mean over its targets), router stats
     """Every module's cross-entropy against the inputs shifted (see the module docstring), chunked
     through the shared head; modules whose rows are too short to score are left out."""
-    from ftitan.train.losses import cross_entropy  # ftitan.train imports the models
+    from ftitan.train.losses import IGNORE_INDEX, cross_entropy  # ftitan.train imports the models
 
     layout = current()
     if layout is not None and (layout.sizes["cp"] > 1 or layout.tp > 1 or layout.sizes["pp"] > 1):
@@ -152,8 +154,21 @@ def mtp_losses(
         stats.append(s)
         scored = normed[:, : n - 1]  # the last position's target lies past the row
         targets = _targets(tokens, k, segments).reshape(-1)
-        losses.append(cross_entropy(scored.reshape(-1, scored.shape[-1]), head, targets))
+        total = cross_entropy(scored.reshape(-1, scored.shape[-1]), head, targets, reduction="sum")
+        losses.append(_global_mean(total, (targets != IGNORE_INDEX).sum(), layout))
     return losses, stats
+
+
+def _global_mean(total: torch.Tensor, count: torch.Tensor, layout: Any) -> torch.Tensor:  # ()
+    """``total / count`` over the global batch: summed over the data axes with ``psum`` (whose backward
+    sums the cotangents too), so every rank holds the same value, as the balancing loss's global router
+    statistics (``parallel.expert.global_stats``); the trainer's per-rank loss weights then sum to 1."""
+    from ftitan.parallel import collectives as C
+
+    packed = torch.stack([total, count.to(total.dtype)])
+    for a in () if layout is None else layout.data_axes():
+        packed = C.psum(packed, layout.group(a))
+    return packed[0] / packed[1].detach().clamp(min=1)
 
 
 def update_router_bias(mtp: Mapping[str, Any], load: torch.Tensor, rate: float) -> dict[str, Any]:
