@@ -374,6 +374,11 @@ def _stage(
 ) -> base.StageOut:  # h (B, T, D), {layer: this rank's MoEStats}, cache
     """Embed (``first``), blocks ``layers``, final norm (``last``): the layer loop of ``apply_with_aux``
     and one pipeline stage (``base.StageFn``)."""
+    if cfg.n_mtp_layers and not (first and last):
+        raise NotImplementedError(
+            f"deepseek_v3: pipeline stages (layers {layers.start}..{layers.stop - 1}) do not run the "
+            f"n_mtp_layers={cfg.n_mtp_layers} MTP modules or their loss; train with n_mtp_layers=0 under pp"
+        )
     cos, sin = mla_.mla_rope(decoder.stage_positions(x, positions, first=first, family="deepseek_v3",
                                                            segments=segments), mla_cfg)  # fmt: skip
 

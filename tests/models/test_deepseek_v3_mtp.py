@@ -268,3 +268,12 @@ def test_mtp_recipe_trains_through_the_trainer_and_reloads(tmp_path):
     assert all(len(r["moe.tokens_per_expert"]) == cfg.model.n_moe_layers + 1 for r in records)
     _, _, params, _, step = load_run(tmp_path / "run")
     assert step == 30 and torch.equal(params["mtp"]["0"]["eh_proj"], out["params"]["mtp"]["0"]["eh_proj"])
+
+
+def test_pipeline_stages_refuse_mtp():
+    m = ds.model(TINY)
+    params = m.init(random.key(0))
+    with pytest.raises(NotImplementedError, match="n_mtp_layers=0 under pp"):
+        m.stage(params, tokens_for(TINY), layers=range(2), first=True, last=False)
+    h, _, _ = m.stage(params, tokens_for(TINY), layers=range(3), first=True, last=True)  # one stage: apply's loop
+    assert h.shape == (2, 12, 32)
