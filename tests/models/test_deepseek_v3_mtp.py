@@ -277,3 +277,19 @@ def test_pipeline_stages_refuse_mtp():
         m.stage(params, tokens_for(TINY), layers=range(2), first=True, last=False)
     h, _, _ = m.stage(params, tokens_for(TINY), layers=range(3), first=True, last=True)  # one stage: apply's loop
     assert h.shape == (2, 12, 32)
+
+
+def test_flops_per_token_count_the_mtp_modules():
+    # independent count: every matmul weight but the embedding table, experts scaled to those used, and the
+    # head once more per module (the shared head scores each depth); attention over L + D blocks
+    cfg = TINY
+    params = ds.model(cfg).init(random.key(0), device="meta")
+    n = 0
+    for path, x in zip(*tree.flatten_with_paths(params)[:2], strict=True):
+        if path == "embed" or x.dim() == 1:
+            continue
+        n += x.numel() * cfg.top_k // cfg.n_experts if ".experts." in path else x.numel()
+    n += cfg.n_mtp_layers * cfg.vocab_size * cfg.dim
+    attn = 3 * (cfg.n_layers + cfg.n_mtp_layers) * 64 * cfg.n_heads * (
+        cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)  # fmt: skip
+    assert ds.model(cfg).flops_per_token(64) == 6 * n + attn
