@@ -33,24 +33,31 @@ from ftitan.config.schema import (
     TrainConfig,
 )
 from ftitan.config.transforms import compose, with_dim, with_layers, with_max_seq_len, with_vocab
-from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
+from ftitan.models import deepseek_v3, deepseek_v4, llama, muse_glimmer, qwen3, qwen3_5, qwen3_moe, qwen3_next
 
 __all__ = [
     "RECIPES",
     "Recipe",
     "deepseek_v3_debug",
     "deepseek_v3_debug_ep",
+    "deepseek_v3_debug_mtp",
+    "deepseek_v4_debug",
     "get_recipe",
+    "kimi_k2_7_debug",
     "kimi_k2_debug",
+    "kimi_k2_debug_muon_fsdp",
     "llama3_1b",
     "llama3_8b",
     "llama3_debug",
     "llama3_debug_fsdp_tp",
     "llama3_debug_muon",
     "llama3_debug_muon_fsdp",
-    "kimi_k2_debug_muon_fsdp",
+    "muse_glimmer_debug",
+    "qwen3_5_debug",
+    "qwen3_5_moe_debug",
     "qwen3_debug",
     "qwen3_moe_debug",
+    "qwen3_next_debug",
     "recipe",
 ]
 
@@ -182,11 +189,45 @@ def qwen3_moe_debug() -> TrainConfig:
     return _debug_run(qwen3_moe.Config.debug())
 
 
+@recipe("qwen3.5-debug")
+def qwen3_5_debug() -> TrainConfig:
+    """Tiny dense Qwen3.5 (3 Gated DeltaNet layers and 1 gated full-attention layer, zero-centered norms, tied
+    embeddings) on stdlib source."""
+    return _debug_run(qwen3_5.debug())
+
+
+@recipe("qwen3.5-moe-debug")
+def qwen3_5_moe_debug() -> TrainConfig:
+    """Tiny Qwen3.5-MoE: ``qwen3.5-debug``'s layers with 8 experts top 2 + a sigmoid-gated shared expert in each."""
+    return _debug_run(qwen3_5.debug_moe())
+
+
+@recipe("qwen3-next-debug")
+def qwen3_next_debug() -> TrainConfig:
+    """Tiny Qwen3-Next (fused q/k/v/z projections per key head; 8 experts top 2 + gated shared expert)."""
+    return _debug_run(qwen3_next.Config.debug())
+
+
 @recipe("deepseek-v3-debug")
 def deepseek_v3_debug() -> TrainConfig:
     """Tiny DeepSeek-V3 (MLA, first layer dense, 8 experts top-2 in 2 groups, 1 shared expert,
     sigmoid router with the aux-loss-free balancing bias) on stdlib source."""
     return _debug_run(deepseek_v3.Config.debug())
+
+
+@recipe("deepseek-v4-debug")
+def deepseek_v4_debug() -> TrainConfig:
+    """Tiny DeepSeek-V4 (sliding / CSA / HCA attention with sinks, 2 hyper-connection streams, the first
+    block hash-routed, 8 sqrt-softplus experts top-2 with the balancing bias, the indexer trained by its
+    KL loss) on stdlib source."""
+    return _debug_run(deepseek_v4.Config.debug())
+
+
+@recipe("muse-glimmer-debug")
+def muse_glimmer_debug() -> TrainConfig:
+    """Tiny Muse Glimmer text decoder (3 sliding-window layers of 64 keys and 1 global NoPE layer, sigmoid
+    attention gate, centered pre/post-norms, normed embedding, soft-capped logits) on stdlib source."""
+    return _debug_run(muse_glimmer.Config.debug())
 
 
 @recipe("kimi-k2-debug")
@@ -199,6 +240,23 @@ def kimi_k2_debug() -> TrainConfig:
         routed_scale=k2.routed_scale, n_shared_experts=k2.n_shared_experts, moe_ffn_dim=64,
     )  # fmt: skip
     return _debug_run(model)
+
+
+@recipe("kimi-k2.7-debug")
+def kimi_k2_7_debug() -> TrainConfig:
+    """Kimi K2.7's text decoder at debug size: ``kimi-k2-debug``'s routing (no group limit, 1 shared expert,
+    routed scale 2.827) with K2.5/K2.6/K2.7's norm epsilon 1e-5 and RoPE base 50000."""
+    k27 = deepseek_v3.Config.kimi_k2_7()
+    base = kimi_k2_debug()
+    return attrs.evolve(base, model=attrs.evolve(base.model, norm_eps=k27.norm_eps, rope_theta=k27.rope_theta))
+
+
+@recipe("deepseek-v3-debug-mtp")
+def deepseek_v3_debug_mtp() -> TrainConfig:
+    """``deepseek-v3-debug`` with one multi-token-prediction module trained beside it (loss weight 0.3,
+    DeepSeek-V3's first-phase lambda); its drafts feed ``ftitan.infer.speculative``."""
+    base = deepseek_v3_debug()
+    return attrs.evolve(base, model=attrs.evolve(base.model, n_mtp_layers=1, mtp_loss_weight=0.3))
 
 
 @recipe("deepseek-v3-debug-ep")

@@ -11,7 +11,7 @@ from typing import Annotated
 import attrs
 import tyro
 
-from ftitan.models import deepseek_v3, llama, qwen3, qwen3_moe
+from ftitan.models import deepseek_v3, deepseek_v4, llama, muse_glimmer, qwen3, qwen3_moe, qwen3_next
 from ftitan.parallel.dims import ParallelDims
 
 __all__ = ["CheckpointConfig", "DPOConfig", "DataConfig", "FlexShardConfig", "InitConfig", "LoRAConfig", "MixedPrecisionConfig",
@@ -24,6 +24,9 @@ ModelConfig = (
     | Annotated[qwen3.Config, tyro.conf.subcommand("qwen3")]
     | Annotated[qwen3_moe.Config, tyro.conf.subcommand("qwen3_moe")]
     | Annotated[deepseek_v3.Config, tyro.conf.subcommand("deepseek_v3")]
+    | Annotated[muse_glimmer.Config, tyro.conf.subcommand("muse_glimmer")]
+    | Annotated[deepseek_v4.Config, tyro.conf.subcommand("deepseek_v4")]
+    | Annotated[qwen3_next.Config, tyro.conf.subcommand("qwen3_next")]
 )
 
 

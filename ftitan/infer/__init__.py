@@ -7,12 +7,14 @@ from ftitan.infer.cache import KVCache, init_cache
 from ftitan.infer.fuse import fuse_projections, fused_slices
 from ftitan.infer.generate import generate, slots_for, steps_for
 from ftitan.infer.sampling import GREEDY, Sampling, sample
+from ftitan.infer.speculative import SpeculativeStats, speculative_generate
 from ftitan.infer.step import make_decode_step, make_greedy_decode, make_prefill
 
 __all__ = [
     "GREEDY",
     "KVCache",
     "Sampling",
+    "SpeculativeStats",
     "fuse_projections",
     "fused_slices",
     "generate",
@@ -22,5 +24,6 @@ __all__ = [
     "make_prefill",
     "sample",
     "slots_for",
+    "speculative_generate",
     "steps_for",
 ]

@@ -154,8 +154,8 @@ class Config:
     def moe(self) -> MoEConfig:
         """The routed experts' config (the gated shared expert is applied by the family)."""
         return MoEConfig(
-            n_experts=max(self.n_experts, self.top_k), top_k=self.top_k, expert_dim=self.expert_dim, score_func="softmax",
-            norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef,
+            n_experts=max(self.n_experts, self.top_k), top_k=self.top_k, expert_dim=self.expert_dim,
+            score_func="softmax", norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef,
         )  # fmt: skip
 
     @property

@@ -105,7 +105,8 @@ def test_config_validation(change, message):
 
 def test_flavors_frozen_hashable_and_registered():
     assert set(ds.FLAVORS) == {
-        "debug", "deepseek_v3_16b", "deepseek_v3_671b", "moonlight_16b_a3b", "kimi_k2", "kimi_k2_5"}  # fmt: skip
+        "debug", "deepseek_v3_16b", "deepseek_v3_671b", "moonlight_16b_a3b", "kimi_k2", "kimi_k2_5", "kimi_k2_6",
+        "kimi_k2_7"}  # fmt: skip
     cfg = ds.Config.deepseek_v3_671b()
     assert hash(cfg) == hash(ds.Config.deepseek_v3_671b()) and cfg.mla.qk_head_dim == 192
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
