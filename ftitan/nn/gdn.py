@@ -122,14 +122,14 @@ def chunked_delta_rule(
     # exp(c_i - c_j) for j <= i (<= 1), 0 above the diagonal (masked before exp: no overflow)
     decay = (c[..., :, None] - c[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     enter, leave = c.exp(), (c[..., -1:] - c).exp()  # decay from the chunk's start, to its end
-    carry = torch.ones_like(c[..., -1])  # (B, H, N): does the state entering the chunk reach its end?
     if segments is not None:
         seg = torch.cat([segments, segments[:, -1:].expand(b, pad)], dim=1).reshape(b, 1, n, chunk)
         before = torch.cat([seg[:, :, :1, :1], seg[:, :, :-1, -1:]], dim=2)  # the token before each chunk
         decay = decay * (seg[..., :, None] == seg[..., None, :])
-        enter = enter * (seg == before)  # tokens of the document the entering state belongs to
-        leave = leave * (seg == seg[..., -1:])  # tokens of the document the leaving state belongs to
-        carry = (seg[..., -1] == before[..., 0]).to(c.dtype).expand_as(carry)
+        # the entering state is read only by its own document's tokens (the last token's factor also carries it
+        # to the chunk's end or not); writes reach the chunk's end only from the last document's tokens
+        enter = enter * (seg == before)
+        leave = leave * (seg == seg[..., -1:])
     kb = k * beta[..., None]
     # A below the diagonal; the solve reads the strict lower triangle only (unit diagonal: I + A)
     system = (kb @ k.transpose(-1, -2)) * decay
@@ -144,7 +144,7 @@ def chunked_delta_rule(
     for i in range(n):  # only the state crosses chunks
         ui = u[:, :, i] - w[:, :, i] @ s
         out.append(q_in[:, :, i] @ s + scores[:, :, i] @ ui)
-        s = s * (enter[:, :, i, -1] * carry[:, :, i])[..., None, None] + k_out[:, :, i].transpose(-1, -2) @ ui
+        s = s * enter[:, :, i, -1, None, None] + k_out[:, :, i].transpose(-1, -2) @ ui
     o = torch.stack(out, dim=2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return o.transpose(1, 2).to(dtype), s
 
