@@ -15,7 +15,7 @@ import torch
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import deepseek_v4 as v4
-from _parity import batch_for, max_diff, parallel_grads  # torchrun puts this folder on sys.path
+from _parity import batch_for, logits_check, max_diff, parallel_grads  # torchrun puts this folder on sys.path
 
 
 def tiny(**kw) -> v4.Config:
@@ -52,17 +52,7 @@ def grads(name: str, degrees: dict[str, int], rules=None) -> dict:
 def logits(name: str, degrees: dict[str, int]) -> dict:
     """``apply(..., logits=True)`` under a layout: the vocab-split head gathered."""
     model = v4.model(tiny())
-    params = _params(model)
-    batch = batch_for(4, 16, 256)
-    ref, _ = model.apply(params, batch["inputs"])
-    layout = parallel.Layout(parallel.mesh(**degrees))
-    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
-    view = parallel.gathered(parallel.to_local(sharded), ft.tree.map(parallel.sharding_of, sharded), layout)
-    with parallel.use(layout), torch.no_grad():
-        got, _ = model.apply(view, parallel.shard_batch(batch, layout)["inputs"])
-    index, count = layout.data_rank()
-    return {"check": name, "shape_ok": list(got.shape) == [4 // count, 16, 256],
-            "diff": float((got - ref.chunk(count)[index]).abs().max())}  # fmt: skip
+    return logits_check(name, degrees, model, _params(model))
 
 
 def refuses(name: str, degrees: dict[str, int]) -> dict:

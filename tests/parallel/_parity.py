@@ -179,10 +179,12 @@ def reshard_check(name: str, a_degrees: dict[str, int], b_degrees: dict[str, int
             "vs_single": max_diff(full, ref)}  # fmt: skip
 
 
-def logits_check(name: str, degrees: dict[str, int]) -> dict:
-    """``apply(..., logits=True)`` under a layout (the head gathered: the loss alone is vocab-parallel)."""
-    model = qwen3.model(tiny_qwen3())  # tied: the gathered head is the vocab-split embedding
-    params = model.init(ft.random.key(0))
+def logits_check(name: str, degrees: dict[str, int], model=None, params=None) -> dict:
+    """``apply(..., logits=True)`` under a layout (the head gathered: the loss alone is vocab-parallel); default a
+    tied Qwen3 (the gathered head is the vocab-split embedding), or ``model`` at ``params`` (vocab 256)."""
+    if model is None:
+        model = qwen3.model(tiny_qwen3())
+        params = model.init(ft.random.key(0))
     batch = batch_for(4, 16, 256)
     ref, _ = model.apply(params, batch["inputs"])
     layout = parallel.Layout(parallel.mesh(**degrees))
