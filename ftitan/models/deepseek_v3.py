@@ -139,6 +139,8 @@ class Config:
     rope_interleave: bool = True  # rope dims stored as interleaved pairs, as in every DeepSeek/Kimi checkpoint
     max_seq_len: int = 4096  # longest sequence the model is meant for (HF max_position_embeddings)
     attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
+    kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
+    remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
     n_mtp_layers: int = 0  # D: multi-token-prediction modules (HF num_nextn_predict_layers; V3 ships 1)
     mtp_loss_weight: float = 0.3  # lambda: the MTP loss is lambda / D * sum_k CE_k (0.3, then 0.1 in the report)

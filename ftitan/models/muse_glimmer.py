@@ -106,6 +106,8 @@ class Config:
     post_norm_eps: float = 1e-8  # eps of the post-attention and post-MLP norms
     max_seq_len: int = 131_072  # longest sequence the model is meant for (HF max_position_embeddings)
     attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (nn.invariant)
+    kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
+    remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:

@@ -98,6 +98,8 @@ class Config:
     max_seq_len: int = 40_960  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table (0.6B, 1.7B, 4B)
     attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
+    kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
+    remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
