@@ -48,11 +48,16 @@ def value_and_grad(loss_fn: LossFn, *, impl: str = "func") -> GradFn:
 
     ``impl="func"``: ``torch.func.grad_and_value``. ``impl="autograd"``:
     ``torch.autograd.grad`` over detached leaves, for loss functions that use
-    saved-tensor hooks (rematerialization); same gradients.
+    saved-tensor hooks (rematerialization) or Triton kernels' autograd
+    Functions (``ftitan.kernels.op``: under ``torch.func`` they step aside for
+    their references); same gradients. It compiles with ``fullgraph=True``
+    (it turns on ``torch._dynamo.config.trace_autograd_ops``).
     """
     if impl == "func":
         return torch.func.grad_and_value(loss_fn, has_aux=True)
     if impl == "autograd":
+        # lets torch.compile trace `torch.autograd.grad` into the graph (fullgraph) instead of refusing it
+        torch._dynamo.config.trace_autograd_ops = True
         return _autograd_value_and_grad(loss_fn)
     raise ValueError(f"value_and_grad: impl={impl!r}; use 'func' (torch.func) or 'autograd' (needed for remat)")
 
