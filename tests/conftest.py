@@ -6,6 +6,8 @@ _CACHE = Path(__file__).resolve().parents[1] / ".cache"
 os.environ.setdefault("FTITAN_CACHE_DIR", str(_CACHE))  # ftitan's cache root (ftitan._cache): vLLM's, inductor's
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_CACHE / "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", str(_CACHE / "triton"))
+# the Triton kernels of ftitan.kernels run on CPU tensors in the interpreter (set before triton is imported)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
