@@ -1,0 +1,255 @@
+"""The Gated DeltaNet chunk kernel (Triton): the forward of the gated delta rule, one program per
+(batch, value head) walking the sequence a chunk at a time with the (Dk, Dv) state in fp32 registers.
+
+Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule"; the chunk
+form (WY representation, UT transform) of Yang et al. 2024, "Parallelizing Linear Transformers with
+the Delta Rule over Sequence Length". The reference is :func:`ftitan.nn.gdn.chunked_delta_rule` (its
+docstring has the algebra); the kernel computes the same terms per chunk of ``C`` tokens:
+
+- ``q``, ``k`` L2-normalized in the kernel (``q`` scaled by ``Dk ** -0.5``), the ``k`` head of a value
+  head read in place (grouped heads), ``c`` the cumulative log decay inside the chunk;
+- ``(I + A)^{-1}`` of the unit lower-triangular ``A[i, j] = beta_i exp(c_i - c_j) k_i . k_j`` by forward
+  substitution on a register tile (``C`` row updates), then ``U = (I + A)^{-1} beta v`` and
+  ``W = (I + A)^{-1} beta exp(c) k``;
+- ``u = U - W S``, ``o = exp(c) q S + (exp(c_i - c_j) q_i . k_j)_{j <= i} u``,
+  ``S <- exp(c_last) S + (exp(c_last - c) k)^T u``;
+- packed documents (``segments``): the same masks as the reference (no pair across documents, the
+  entering state read and carried only by its own document's tokens).
+
+``C`` is ``chunk`` rounded up to a power of two >= 16 (``tl.dot``'s smallest tile); the result does
+not depend on it beyond float32 rounding. Matmuls run in full fp32 (``input_precision="ieee"``: TF32
+would cost the triangular solve its accuracy). bf16/fp16/fp32 inputs; float64 runs the reference.
+
+The backward is **not** a Triton kernel: the backward op recomputes the reference
+(:func:`ftitan.nn.gdn.chunked_delta_rule`) and takes its vector-Jacobian product (``torch.autograd.grad``
+in eager inside the op), so the gradients are the reference's exactly; it costs a reference forward and
+backward on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ftitan.kernels import op
+from ftitan.nn import gdn as _gdn
+
+__all__ = ["chunk_delta_rule", "chunk_delta_rule_reference"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel takes; float64 runs the reference
+
+
+@triton.jit
+def _row(x, rows, i):
+    """Row ``i`` of the 2-D tile ``x`` as a vector over its columns."""
+    return tl.sum(tl.where(rows[:, None] == i, x, 0.0), 0)
+
+
+@triton.jit
+def _unit_lower_inverse(a, BC: tl.constexpr):
+    """``(I + a)^{-1}`` for ``a`` (BC, BC) strictly lower triangular, by forward substitution: row ``i`` of
+    the inverse is ``e_i - sum_{j < i} a[i, j] inv[j, :]`` (rows above ``i`` already final)."""
+    rows = tl.arange(0, BC)
+    inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, BC):
+        ai = _row(a, rows, i)  # (BC,) zero from column i on
+        new = tl.where(rows == i, 1.0, 0.0) - tl.sum(ai[:, None] * inv, 0)
+        inv = tl.where(rows[:, None] == i, new[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _gdn_chunk_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, seg_ptr, o_ptr, sn_ptr,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, sseg_b,
+    T, HV, REP, DK, DV, scale,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, HAS_SEG: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)  # one (batch, value head)
+    b, h = pid // HV, pid % HV
+    hk = h // REP  # its key head
+    rows, ck, cv = tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = ck < DK, cv < DV
+    state_off = pid * DK * DV + ck[:, None] * DV + cv[None, :]
+    s = tl.zeros((BK, BV), dtype=tl.float32)
+    if HAS_S0:
+        s = tl.load(s0_ptr + state_off, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
+    lower = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    for t0 in range(0, T, BC):
+        t = t0 + rows
+        mt = t < T
+        q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hk * sq_h + ck[None, :],
+                    mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + hk * sk_h + ck[None, :],
+                    mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        v = tl.load(v_ptr + b * sv_b + t[:, None] * sv_t + h * sv_h + cv[None, :],
+                    mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        g = tl.load(g_ptr + b * sg_b + t * sg_t + h * sg_h, mask=mt, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + b * sb_b + t * sb_t + h * sb_h, mask=mt, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale  # nn.gdn.l2_normalize, then Dk ** -0.5
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        c = tl.cumsum(g, 0)  # (BC,) log decay from the chunk's start through each token
+        c_last = tl.sum(tl.where(rows == BC - 1, c, 0.0), 0)  # padded tokens have g = 0
+        diff = tl.where(lower, c[:, None] - c[None, :], float("-inf"))  # masked before exp: no overflow
+        decay = tl.exp(diff)
+        enter = tl.exp(c)
+        leave = tl.exp(c_last - c)
+        carry = tl.exp(c_last)
+        if HAS_SEG:  # padded tokens belong to the last document (index clamped), as in the reference
+            seg = tl.load(seg_ptr + b * sseg_b + tl.minimum(t, T - 1))
+            before = tl.load(seg_ptr + b * sseg_b + tl.maximum(t0 - 1, 0))
+            seg_last = tl.sum(tl.where(rows == BC - 1, seg, 0), 0)
+            decay = tl.where(seg[:, None] == seg[None, :], decay, 0.0)
+            enter = tl.where(seg == before, enter, 0.0)
+            leave = tl.where(seg == seg_last, leave, 0.0)
+            carry = tl.where(seg_last == before, carry, 0.0)
+        kb = k * beta[:, None]
+        a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
+        inv = _unit_lower_inverse(a, BC)
+        big_u = tl.dot(inv, v * beta[:, None], input_precision="ieee")  # (BC, BV)
+        big_w = tl.dot(inv, kb * enter[:, None], input_precision="ieee")  # (BC, BK)
+        u = big_u - tl.dot(big_w, s, input_precision="ieee")
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * decay  # zero above the diagonal
+        o = tl.dot(q * enter[:, None], s, input_precision="ieee") + tl.dot(scores, u, input_precision="ieee")
+        tl.store(o_ptr + ((b * T + t[:, None]) * HV + h) * DV + cv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])  # fmt: skip
+        s = s * carry + tl.dot(tl.trans(k * leave[:, None]), u, input_precision="ieee")
+    tl.store(sn_ptr + state_off, s, mask=mk[:, None] & mv[None, :])
+
+
+def _tile(n: int) -> int:
+    """A register tile's side for ``n``: a power of two >= 16 (``tl.dot``'s smallest)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _last_unit(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor | None, segments: torch.Tensor | None, chunk: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q, k, v, g, beta = (_last_unit(x) for x in (q, k, v, g, beta))
+    bsz, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    o = v.new_empty(bsz, t, hv, dv)
+    final = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=v.device)
+    s0 = None if state is None else state.to(torch.float32).contiguous()
+    seg = None if segments is None else segments.to(torch.int32).contiguous()
+    _gdn_chunk_fwd_kernel[(bsz * hv,)](
+        q, k, v, g, beta, final if s0 is None else s0, o if seg is None else seg, o, final,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+        0 if seg is None else seg.stride(0), t, hv, hv // hk, dk, dv, dk**-0.5,
+        BC=_tile(chunk), BK=_tile(dk), BV=_tile(dv), HAS_S0=s0 is not None, HAS_SEG=seg is not None,
+    )  # fmt: skip
+    return o, final
+
+
+def _fwd_fake(q, k, v, g, beta, state, segments, chunk):  # type: ignore[no-untyped-def]
+    return v.new_empty(v.shape), v.new_empty(v.shape[0], v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32)
+
+
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "AutogradOther", "AutogradFunctionality", "ADInplaceOrView", "AutogradCPU", "AutogradCUDA", "AutogradNestedTensor"))  # fmt: skip
+
+
+def _autograd_on() -> Any:
+    """A guard that turns autograd back on inside an op's implementation: called below autograd from a
+    dispatch mode (aot_autograd's runtime wraps compiled graphs in one) the autograd keys are excluded
+    from the thread's dispatch, and ``enable_grad`` alone would record nothing."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor | None, segments: torch.Tensor | None, do: torch.Tensor, ds: torch.Tensor,
+              chunk: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The reference's vector-Jacobian product (recomputed in eager: no Triton backward yet)."""
+    with _autograd_on(), torch.enable_grad():
+        xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+        s0 = None if state is None else state.detach().requires_grad_()
+        o, s = chunk_delta_rule_reference(*xs, s0, chunk=chunk, segments=segments)
+        wrt = xs if s0 is None else [*xs, s0]
+        grads = torch.autograd.grad((o, s), wrt, (do, ds), allow_unused=True, materialize_grads=True)
+    ds0 = torch.zeros(0, device=q.device) if s0 is None else grads[5]  # an empty tensor: no initial state
+    return (*grads[:5], ds0)
+
+
+def _bwd_fake(q, k, v, g, beta, state, segments, do, ds, chunk):  # type: ignore[no-untyped-def]
+    ds0 = q.new_empty(0) if state is None else state.new_empty(state.shape)
+    return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), ds0)
+
+
+_FWD = op.define(
+    "gdn_chunk_fwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? state, Tensor? segments, int chunk)"
+    " -> (Tensor, Tensor)",
+    _fwd_impl,
+    _fwd_fake,
+)
+_BWD = op.define(
+    "gdn_chunk_bwd",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? state, Tensor? segments, Tensor do,"
+    " Tensor ds, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+    _bwd_impl,
+    _bwd_fake,
+)
+
+
+class _ChunkDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, g, beta, state, segments, chunk):  # type: ignore[no-untyped-def,override]
+        return _FWD(q, k, v, g, beta, state, segments, chunk)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        q, k, v, g, beta, state, segments, chunk = inputs
+        ctx.save_for_backward(q, k, v, g, beta, state, segments)
+        ctx.chunk = chunk
+        ctx.has_state = state is not None
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, ds: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, g, beta, state, segments = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, ds0 = _BWD(q, k, v, g, beta, state, segments, do, ds, ctx.chunk)
+        return dq, dk, dv, dg, dbeta, ds0 if ctx.has_state else None, None, None
+
+
+def chunk_delta_rule_reference(
+    q: torch.Tensor,  # (B, T, Hk, Dk)
+    k: torch.Tensor,  # (B, T, Hk, Dk)
+    v: torch.Tensor,  # (B, T, Hv, Dv)
+    g: torch.Tensor,  # (B, T, Hv) log decay, <= 0
+    beta: torch.Tensor,  # (B, T, Hv)
+    state: torch.Tensor | None = None,  # (B, Hv, Dk, Dv) float32; None: zeros
+    *,
+    chunk: int = 64,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, Hv, Dv) in v's dtype, final state (B, Hv, Dk, Dv) float32
+    """The definition: :func:`ftitan.nn.gdn.chunked_delta_rule` in plain torch ops."""
+    return _gdn.chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk, segments=segments)
+
+
+def chunk_delta_rule(
+    q: torch.Tensor,  # (B, T, Hk, Dk)
+    k: torch.Tensor,  # (B, T, Hk, Dk)
+    v: torch.Tensor,  # (B, T, Hv, Dv)
+    g: torch.Tensor,  # (B, T, Hv) log decay, <= 0
+    beta: torch.Tensor,  # (B, T, Hv)
+    state: torch.Tensor | None = None,  # (B, Hv, Dk, Dv) float32; None: zeros
+    *,
+    chunk: int = 64,
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows: the state restarts at each
+) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, Hv, Dv) in v's dtype, final state (B, Hv, Dk, Dv) float32
+    """The gated delta rule by the Triton chunk kernel where :func:`ftitan.kernels.op.use_kernel` (CUDA, or
+    the interpreter) and the inputs are bf16/fp16/fp32 with at least one token; else the reference."""
+    tensors = [x for x in (q, k, v, g, beta, state, segments) if x is not None]
+    if q.shape[1] == 0 or any(x.dtype not in _DTYPES for x in (q, k, v, g, beta)) or not op.use_kernel(*tensors):
+        return chunk_delta_rule_reference(q, k, v, g, beta, state, chunk=chunk, segments=segments)
+    return _ChunkDeltaRule.apply(q, k, v, g, beta, state, segments, chunk)
