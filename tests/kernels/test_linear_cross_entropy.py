@@ -108,6 +108,36 @@ def test_chunked_cross_entropy_dispatches_for_triton_kernels(monkeypatch):
         torch.testing.assert_close(a, b, **F32)
 
 
+def test_next_token_loss_reads_the_model_configs_kernels(monkeypatch):
+    """``next_token_loss`` of a model whose config says ``kernels="triton"``: the train step's autograd path
+    (``value_and_grad(impl="autograd")``) runs the kernels, ``impl="func"`` the reference; the same mean loss
+    and gradients as the ``kernels="torch"`` model."""
+    from types import SimpleNamespace
+
+    from ftitan.train import value_and_grad
+
+    def model(kernels):
+        return SimpleNamespace(apply=lambda p, x, logits, **_: (p["emb"][x], None), apply_with_aux=None,
+                               head=lambda p: p["head"], logit_softcap=3.0, config=SimpleNamespace(kernels=kernels))  # fmt: skip
+
+    g = torch.Generator().manual_seed(4)
+    params = {"emb": torch.randn(V, D, generator=g), "head": torch.randn(V, D, generator=g) * 0.5}
+    inputs = torch.randint(0, V, (3, 13), generator=g)
+    batch = {"inputs": inputs, "targets": inputs.roll(-1, 1).masked_fill(inputs % 7 == 0, -100)}
+    want_grads, (want, _) = value_and_grad(losses.next_token_loss(model("torch")))(params, batch)
+    spy = _Spy(monkeypatch)
+    # (config.patch restores the flag impl="autograd" sets; monkeypatch.setattr's undo would delete it)
+    with op.interpret(), torch._dynamo.config.patch(trace_autograd_ops=torch._dynamo.config.trace_autograd_ops):
+        func_grads, (func, _) = value_and_grad(losses.next_token_loss(model("triton")))(params, batch)
+        assert (spy.fwd, spy.bwd) == (0, 0)  # torch.func: the reference
+        got_grads, (got, _) = value_and_grad(losses.next_token_loss(model("triton")), impl="autograd")(params, batch)
+    assert (spy.fwd, spy.bwd) == (1, 1)
+    for loss, grads in ((func, func_grads), (got, got_grads)):
+        torch.testing.assert_close(loss, want, **F32)
+        for k in params:
+            torch.testing.assert_close(grads[k], want_grads[k], **F32)
+
+
 def test_compiled_gradients_match_eager_reference(monkeypatch):
     h, w, t = _case(seed=2)
     ref_loss, ref_dh, ref_dw = _reference(h, w, t, 3.0)
