@@ -10,6 +10,14 @@ norm reductions, a few scalars, are not counted). Layouts with ``ep`` use a
 Qwen3-MoE model of the same size, compared with its own single-process run;
 layouts with ``pp`` run 1F1B over 4 micro-batches.
 
+Layouts with ``ep`` run once per expert-parallel token exchange in
+``ep_exchanges`` (``ftitan.parallel.expert.exchange``), alternating step by
+step in the same ranks: ``"padded"`` (the default: fixed-size, no host
+sync, compiles) under the layout's name, ``"sync"`` (the previous exchange,
+a count all-to-all and a host sync per MoE layer) as ``"<layout> [sync]"``,
+with the ratio ``"<layout>/<layout> [sync]"`` (the GPU goal for
+``ep=2,dp_shard=2`` is >= 1.2; on 2 shared cores the figure is noise-bound).
+
 Prints one JSON object (DESIGN.md, "Benchmarks"): per layout the median
 step time, tokens/s, bytes sent per rank per step (by collective), and the
 ratio of its tokens/s to the single process. There is no speed goal: on a
@@ -62,6 +70,8 @@ class Options:
     batch_size: int = 8
     warmup: int = 1
     rounds: int = 3
+    ep_exchanges: tuple[str, ...] = ("padded", "sync")
+    """Expert-parallel token exchanges to measure on layouts with ep (ftitan.parallel.expert.EXCHANGES)."""
     quick: bool = False
     """A tiny model and one timed round: checks the benchmark runs, measures nothing."""
     out: Path | None = None
@@ -134,11 +144,19 @@ def _result(cfg: dict[str, Any], times: list[float], sent: dict[str, int]) -> di
             "bytes_sent_per_rank": sum(sent.values()), "bytes_by_collective": dict(sent)}  # fmt: skip
 
 
-def _worker_layout(cfg: dict[str, Any], degrees: dict[str, int], warmup: int, rounds: int) -> dict[str, Any]:
+def _exchange_name(text: str, exchange: str) -> str:
+    return text if exchange == "padded" else f"{text} [{exchange}]"
+
+
+def _worker_layout(
+    cfg: dict[str, Any], degrees: dict[str, int], warmup: int, rounds: int, exchanges: tuple[str, ...] = ("padded",)
+) -> dict[str, dict[str, Any]]:
+    """``{exchange: result}``: the layout's step timed once per ep exchange (one, without ep), alternating."""
     import torch.distributed as dist
 
     import ftitan as ft
     from ftitan import parallel
+    from ftitan.parallel import expert
 
     from ftitan.config.schema import ParallelConfig
     from ftitan.train.runtime import Runtime
@@ -150,23 +168,30 @@ def _worker_layout(cfg: dict[str, Any], degrees: dict[str, int], warmup: int, ro
     params = rt.init_params(model, ft.random.key(0))
     step = rt.make_step(model, ft.train.next_token_loss(model), opt, accum_steps=1, compile=False,
                         update_buffers=model.update_buffers)  # fmt: skip
-    state, local = ft.train.init_state(params, opt), parallel.shard_batch(batch, layout)
-    times = []
+    if degrees.get("ep", 1) == 1:
+        exchanges = ("padded",)  # no MoE exchange: one row
+    local = parallel.shard_batch(batch, layout)
+    states = {ex: ft.train.init_state(params, opt) for ex in exchanges}
+    times: dict[str, list[float]] = {ex: [] for ex in exchanges}
     for i in range(warmup + rounds):
-        dist.barrier()
-        t0 = time.perf_counter()
-        state, m = step(state, local)
-        float(m["loss"])
-        dist.barrier()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    with parallel.collectives.count_bytes() as sent:
-        state, _ = step(state, local)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dict(sent))
-    result = _result(cfg, times, dict(sent))
-    result["bytes_sent_max_rank"] = max(sum(s.values()) for s in everyone)
-    return result
+        for ex in exchanges:  # alternating: drift on a shared machine hits every exchange alike
+            dist.barrier()
+            t0 = time.perf_counter()
+            with expert.exchange(ex):
+                states[ex], m = step(states[ex], local)
+                float(m["loss"])
+            dist.barrier()
+            if i >= warmup:
+                times[ex].append(time.perf_counter() - t0)
+    out = {}
+    for ex in exchanges:
+        with parallel.collectives.count_bytes() as sent, expert.exchange(ex):
+            states[ex], _ = step(states[ex], local)
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dict(sent))
+        out[ex] = _result(cfg, times[ex], dict(sent))
+        out[ex]["bytes_sent_max_rank"] = max(sum(s.values()) for s in everyone)
+    return out
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -176,12 +201,14 @@ def _worker(spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    exchanges = tuple(spec.get("ep_exchanges", ("padded",)))
     for text in spec["layouts"]:
         try:
-            result = _worker_layout(spec["config"], parse_layout(text), spec["warmup"], spec["rounds"])
+            results = _worker_layout(spec["config"], parse_layout(text), spec["warmup"], spec["rounds"], exchanges)
         except Exception as e:  # one layout failing must not hide the others
-            result = {"error": f"{type(e).__name__}: {e}"}
-        timing.report("LAYOUT", text, result)
+            results = {"padded": {"error": f"{type(e).__name__}: {e}"}}
+        for ex, result in results.items():
+            timing.report("LAYOUT", _exchange_name(text, ex), result)
     parallel.shutdown()
 
 
@@ -199,13 +226,22 @@ def run(opts: Options) -> dict[str, Any]:
     results: dict[str, Any] = {"single": _single(cfg, moe=False, warmup=warmup, rounds=rounds)}
     if any(parse_layout(t).get("ep", 1) > 1 for t in opts.layouts):
         results["single-moe"] = _single(cfg, moe=True, warmup=warmup, rounds=rounds)
-    spec = {"layouts": list(opts.layouts), "config": cfg, "warmup": warmup, "rounds": rounds}
+    from ftitan.parallel.expert import EXCHANGES
+
+    bad = [e for e in opts.ep_exchanges if e not in EXCHANGES]
+    if bad or not opts.ep_exchanges:
+        raise ValueError(f"bench parallel: --ep-exchanges {opts.ep_exchanges}: expected some of {EXCHANGES}")
+    spec = {"layouts": list(opts.layouts), "config": cfg, "warmup": warmup, "rounds": rounds,
+            "ep_exchanges": list(opts.ep_exchanges)}  # fmt: skip
     results.update(timing.launch_ranks("ftitan.bench.parallel", opts.nproc, spec, "LAYOUT", prog="bench parallel"))
     ratios = {}
     for text in opts.layouts:
         base = "single-moe" if parse_layout(text).get("ep", 1) > 1 else "single"
         if "tokens_per_s" in results.get(text, {}):
             ratios[f"{text}/{base}"] = results[text]["tokens_per_s"] / results[base]["tokens_per_s"]
+        sync = _exchange_name(text, "sync")
+        if base == "single-moe" and "tokens_per_s" in results.get(text, {}) and "tokens_per_s" in results.get(sync, {}):
+            ratios[f"{text}/{sync}"] = results[text]["tokens_per_s"] / results[sync]["tokens_per_s"]
     return {"bench": "parallel", "config": {**cfg, "nproc": opts.nproc, "quick": opts.quick, "optimizer": "adamw"},
             "machine": timing.machine_info(), "results": results, "ratios": ratios, "goals": {},
             "met": all("error" not in results.get(t, {"error": "missing"}) for t in opts.layouts)}  # fmt: skip

@@ -1,10 +1,41 @@
 """Expert parallelism: routed experts split over ``ep``, token rows sent to them by all-to-all.
 
+Two exchanges (:func:`exchange` picks one; ``"padded"`` is the default):
+
+- ``"padded"`` (:func:`_moe_padded`): no host synchronization, so the step
+  compiles with ``fullgraph=True``. Each rank sends *every* ep rank a buffer
+  of a static size: its ``N`` token rows (each token at most once per
+  destination, however many of its ``k`` experts live there) with, packed
+  into extra columns of the same buffer, the token's ``k`` routing weights
+  and the ids of its chosen experts local to that destination (bit-cast
+  integers; ``0`` = not for this rank). That is exact and dropless with a
+  bound that needs no agreement: a rank can never send a destination more
+  than ``N`` distinct tokens. Per MoE layer there is exactly one token
+  all-to-all per direction (dispatch, combine) and no count exchange at all.
+  The receiver sorts the ``(token, choice)`` pairs addressed to its experts
+  on the device (``ftitan.kernels.permute``: histogram, cumsum, stable
+  argsort), runs its experts with the grouped GEMM on the sorted block
+  (padding rows past the last expert's block are never read), combines each
+  token's local choices weighted (pairs for other ranks add exactly zero),
+  and sends each source its tokens' partial sums (one ``(N, D)`` block per
+  rank); the source adds the ``ep`` partials. The price: ``(ep - 1) N``
+  rows sent per direction instead of about ``(ep - 1) / ep * N k``, i.e.
+  ``ep / k`` times the bytes of the ``"sync"`` exchange (equal for ``ep =
+  k``, e.g. ep=2 with top-2; DeepSeek-V3's ep=8, top-8), and a sorted
+  buffer of ``ep N min(k, E/ep)`` rows. A capacity below ``N`` would need
+  the counts before the exchange, i.e. a host sync (or token dropping).
+  Overlap: the dispatch all-to-all is issued, the shared expert (where the
+  family has one inside the MoE layer) is computed, and only then is the
+  exchange waited on (``_all_to_all_start`` / ``_wait``).
+- ``"sync"`` (the previous exchange; :func:`experts_forward`): exact row
+  counts, so minimal bytes, but a host sync per layer (below), so the step
+  runs eagerly.
+
 The MoE layer (``ftitan.nn.moe``) is route -> dispatch -> experts ->
 combine; this module is its parallel seam, a no-op without a current layout
 (single-process code runs exactly ``nn.moe``):
 
-- :func:`experts_forward` (the ``experts_fn`` of ``nn.moe.moe``): with
+- :func:`experts_forward` (the ``experts_fn`` of ``nn.moe.moe``, ``"sync"``): with
   ``ep > 1`` and the experts' weights split over it (rule ``("experts",
   ("ep",))``: rank ``r`` holds experts ``[r E/ep, (r+1) E/ep)``), each rank
   first tells every other rank how many rows it sends to each of its experts
@@ -20,8 +51,9 @@ combine; this module is its parallel seam, a no-op without a current layout
   MLP (experts' hidden width split over ``tp``: input through
   ``column_input``, partial outputs through ``row_output``; the router,
   replicated over tp, sums its gradient over tp), the router (stored split
-  over ep with the experts) all-gathered over ep, experts through
-  :func:`experts_forward`.
+  over ep with the experts) all-gathered over ep, experts through the
+  :func:`exchange` in force (``"padded"``: :func:`_moe_padded`; ``"sync"``:
+  ``nn.moe.moe`` with :func:`experts_forward`).
 - :func:`global_stats` / :func:`moe_aux`: router statistics of the global
   batch, so the balancing loss, its gradients and the load metrics (and the
   DeepSeek-V3 bias update that reads them) equal a single-process run.
@@ -42,18 +74,43 @@ each holds ``1/tp`` of the cotangent, which the tp seams above sum.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from ftitan.kernels import permute
 from ftitan.nn import moe as moe_
+from ftitan.nn.mlp import swiglu
 from ftitan.nn.moe import MoEConfig, MoEStats
 from ftitan.parallel import activations as par
 from ftitan.parallel import collectives as C
 from ftitan.parallel.layout import Layout, current
 
-__all__ = ["experts_forward", "global_stats", "moe", "moe_aux", "regroup_by_expert"]
+__all__ = ["EXCHANGES", "exchange", "experts_forward", "global_stats", "moe", "moe_aux", "regroup_by_expert"]
+
+EXCHANGES = ("padded", "sync")  # the token exchanges of expert parallelism (see the module doc)
+_exchange = "padded"
+
+
+@contextlib.contextmanager
+def exchange(kind: str) -> Iterator[None]:
+    """Use the ``kind`` token exchange (one of :data:`EXCHANGES`) for MoE layers traced in the block
+    (a compiled step reads it when it compiles, and is guarded on it)."""
+    global _exchange
+    if kind not in EXCHANGES:
+        raise ValueError(f"parallel.expert.exchange({kind!r}): expected one of {EXCHANGES}")
+    before, _exchange = _exchange, kind
+    try:
+        yield
+    finally:
+        _exchange = before
+
+
+def current_exchange() -> str:
+    """The token exchange MoE layers use now (:func:`exchange`)."""
+    return _exchange
 
 
 def experts_forward(
@@ -74,18 +131,23 @@ def experts_forward(
     n_experts, n_local = offs.shape[0], w1.shape[0]
     if group is None or n_local == n_experts:
         return moe_.experts_forward(x, offs, w1, w2, w3)
-    if n_local * group.size() != n_experts:
-        raise ValueError(
-            f"expert parallel: this rank holds {n_local} of {n_experts} experts, but ep={group.size()} needs "
-            f"{n_experts} / {group.size()}; split the experts over ep alone (rule ('experts', ('ep',))) or keep "
-            f"them whole (rule ('experts', ()))"
-        )
+    _check_split(n_experts, n_local, group.size())
     if torch.compiler.is_compiling():
         raise NotImplementedError(
-            "expert parallel (ep > 1): the token all-to-all's split sizes depend on the routing, so the step "
-            "cannot be compiled with fullgraph=True; run the parallel step eagerly (make_train_step(compile=False))"
+            "expert parallel (ep > 1) with the 'sync' exchange: the token all-to-all's split sizes depend on the "
+            "routing (a host sync), so the step cannot be compiled with fullgraph=True; use the default 'padded' "
+            "exchange (parallel.expert.exchange('padded')) or run the step eagerly (make_train_step(compile=False))"
         )
     return _experts_over_ep(x, offs, w1, w2, w3, group)
+
+
+def _check_split(n_experts: int, n_local: int, ep: int) -> None:
+    if n_local * ep != n_experts:
+        raise ValueError(
+            f"expert parallel: this rank holds {n_local} of {n_experts} experts, but ep={ep} needs "
+            f"{n_experts} / {ep}; split the experts over ep alone (rule ('experts', ('ep',))) or keep "
+            f"them whole (rule ('experts', ()))"
+        )
 
 
 def _exchange_counts(offs: torch.Tensor, group: Any) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -132,6 +194,121 @@ def _local_experts(
     return moe_.experts_forward(padded, torch.ones_like(offs), w1, w2, w3)[:0]
 
 
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # ids bit-cast into the rows' dtype
+
+
+def _moe_padded(
+    x: torch.Tensor,  # (B, T, D) | (N, D)
+    p: Mapping[str, Any],  # the router of all E experts; this rank's E_local routed experts
+    cfg: MoEConfig,
+    group: Any,  # the ep mesh axis
+) -> tuple[torch.Tensor, MoEStats]:  # same shape as x; this rank's stats
+    """``nn.moe.moe`` over ep with the fixed-size exchange (module doc: ``"padded"``)."""
+    shape, ep = x.shape, group.size()
+    x2 = x.reshape(-1, shape[-1])  # (N, D)
+    n, d = x2.shape
+    routing = moe_.route(x2, p, cfg)
+    sent = _all_to_all_start(_send_buffer(x2, routing, p["experts"]["w1"].shape[0], ep), group)
+    shared = swiglu(x2, **p["shared"]) if cfg.n_shared_experts else None  # overlaps the dispatch exchange
+    recv = _wait(sent, group)  # (ep N, D + 2k): every source's tokens, weights, local expert ids
+    partial = _local_routed(recv, p["experts"], cfg)  # (ep N, D): each source token's local choices
+    out = _wait(_all_to_all_start(partial, group), group).view(ep, n, d).sum(0)  # the ep ranks' partial sums
+    if shared is not None:
+        out = out + shared
+    counts = torch.zeros(cfg.n_experts, dtype=torch.float32, device=x.device).index_add(
+        0, routing.experts.reshape(-1), torch.ones(routing.experts.numel(), device=x.device)
+    )
+    return out.view(shape), MoEStats(counts, routing.probs.sum(0), torch.tensor(float(n), device=x.device))
+
+
+def _send_buffer(x: torch.Tensor, routing: moe_.Routing, n_local: int, ep: int) -> torch.Tensor:
+    """``(ep N, D + 2k)``: for each destination rank its block of every token row, the ``k`` routing
+    weights and the ``k`` chosen experts' ids local to it plus one (``0``: on another rank), bit-cast."""
+    n, k = routing.experts.shape
+    owner = routing.experts // n_local  # (N, k) rank holding each choice
+    ranks = torch.arange(ep, device=x.device).view(ep, 1, 1)
+    ids = torch.where(owner == ranks, routing.experts % n_local + 1, 0)  # (ep, N, k)
+    meta = ids.to(_INT_OF_SIZE[x.element_size()]).view(x.dtype)  # bits, not values: exact for any E
+    rows = torch.cat([x, routing.weights.to(x.dtype)], dim=-1).expand(ep, n, -1)
+    return torch.cat([rows, meta], dim=-1).reshape(ep * n, -1)
+
+
+def _local_routed(recv: torch.Tensor, experts: Mapping[str, torch.Tensor], cfg: MoEConfig) -> torch.Tensor:
+    """This rank's experts on the received rows: ``(ep N, D)``, each row the weighted sum of its token's
+    choices among the local experts (zero where none is local)."""
+    k, n_local = cfg.top_k, experts["w1"].shape[0]
+    d = recv.shape[1] - 2 * k
+    xr, wr = recv[:, :d], recv[:, d : d + k]
+    ids = recv[:, d + k :].detach().contiguous().view(_INT_OF_SIZE[recv.element_size()]).long() - 1  # -1: not here
+    perm = permute.sort_by_expert(ids, n_local)  # on device: histogram, cumsum, stable argsort
+    n_rows = recv.shape[0] * min(k, n_local)  # static bound: a token has <= min(k, E_local) local choices
+    kernel = cfg.kernels == "triton"
+    rows = (permute.dispatch if kernel else permute.dispatch_reference)(xr, perm.pos, n_rows)
+    # rows past offs[-1] (padding) belong to no expert: the grouped GEMM leaves them unset, combine never reads them
+    y = moe_.experts_forward(rows, perm.offs, experts["w1"], experts["w2"], experts["w3"])
+    return (permute.combine if kernel else permute.combine_reference)(y, perm.pos, wr)
+
+
+class _A2AStart(torch.autograd.Function):
+    """Issue the equal-split all-to-all of ``x`` (``ep`` row blocks) and return its pending output; only
+    :func:`_wait` makes it valid. Backward waits on the reverse exchange that ``_Wait``'s backward issued."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: tuple[str, int]) -> torch.Tensor:  # type: ignore[override]
+        return _issue(x, group)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        with torch.no_grad():
+            return torch.ops._c10d_functional.wait_tensor(g), None
+
+
+class _Wait(torch.autograd.Function):
+    """Wait for a pending exchange; backward issues the reverse exchange (same equal splits)."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, group: tuple[str, int]) -> torch.Tensor:  # type: ignore[override]
+        with torch.no_grad():
+            return torch.ops._c10d_functional.wait_tensor(x).view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.group = inputs[1]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _issue(g, ctx.group), None
+
+
+def _issue(x: torch.Tensor, group: tuple[str, int]) -> torch.Tensor:
+    name, ep = group
+    splits = [x.shape[0] // ep] * ep
+    C.record("all_to_all", (ep - 1) * splits[0] * (x[0].numel() * x.element_size() if x.shape[0] else 0))
+    with torch.no_grad():
+        return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, name)
+
+
+def _all_to_all_start(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Start sending row block ``j`` of ``x`` (``ep`` equal blocks) to ep rank ``j``; pass the result to
+    :func:`_wait` after the work it should overlap (a functional collective: eager, autograd, compile)."""
+    return _A2AStart.apply(x, _group_key(group))
+
+
+def _wait(pending: torch.Tensor, group: Any) -> torch.Tensor:
+    """The exchange :func:`_all_to_all_start` issued, complete (differentiable: see ``_Wait``)."""
+    return _Wait.apply(pending, _group_key(group))
+
+
+def _group_key(group: Any) -> tuple[str, int]:
+    """``(process group name, size)`` of the ep mesh axis: what the functional ops take (plain constants
+    inside the traced autograd.Functions)."""
+    return group.get_group().group_name, group.size()
+
+
 def global_stats(stats: Sequence[MoEStats]) -> list[MoEStats]:
     """Each layer's router statistics summed over the data axes (those of the global batch), in one
     :func:`~ftitan.parallel.collectives.psum` per axis; as given without a layout. See the module doc."""
@@ -168,7 +345,13 @@ def moe(
             f"the rules give {layout.axes_of('mlp')}"
         )
     x = par.column_input(x)  # (B, T, D): every tp rank routes the same tokens
-    y, stats = moe_.moe(x, _router_for_compute(p, cfg.n_experts, layout), cfg, experts_fn=experts_forward)
+    p = _router_for_compute(p, cfg.n_experts, layout)
+    group, n_local = layout.group("ep"), p["experts"]["w1"].shape[0]
+    if _exchange == "padded" and group is not None and n_local != cfg.n_experts:
+        _check_split(cfg.n_experts, n_local, group.size())
+        y, stats = _moe_padded(x, p, cfg, group)
+    else:
+        y, stats = moe_.moe(x, p, cfg, experts_fn=experts_forward)
     return par.row_output(y), stats
 
 

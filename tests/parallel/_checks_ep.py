@@ -6,12 +6,16 @@ Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py 
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import torch
 
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import deepseek_v3, qwen3_moe
+from ftitan.parallel import collectives as C
+from ftitan.parallel import expert
 from _parity import max_diff, parallel_grads  # torchrun puts this folder on sys.path
 
 AUX_COEF = 0.1  # large enough that a mis-scaled balancing gradient would show far above 1e-5
@@ -91,8 +95,9 @@ def grads_check(name: str, family: str, degrees: dict[str, int], *, bias: str = 
     }
 
 
-def steps_check(name: str, degrees: dict[str, int], n_steps: int = 3) -> dict:
-    """``n_steps`` of AdamW on DeepSeek-V3 with ``update_buffers`` (router-bias balancing), parallel vs single."""
+def steps_check(name: str, degrees: dict[str, int], n_steps: int = 3, compile: bool | str = False) -> dict:
+    """``n_steps`` of AdamW on DeepSeek-V3 with ``update_buffers`` (router-bias balancing), parallel vs single;
+    ``compile``: the parallel step's gradient compiled (fullgraph), which must not recompile after step 1."""
     model = deepseek_v3.model(tiny_deepseek_v3())
     params = init_params("deepseek_v3", model)
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
@@ -109,11 +114,12 @@ def steps_check(name: str, degrees: dict[str, int], n_steps: int = 3) -> dict:
 
     layout = parallel.Layout(parallel.mesh(**degrees))
     sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
-    step = parallel.make_train_step(loss_fn, opt, layout, update_buffers=model.update_buffers)
+    step = parallel.make_train_step(loss_fn, opt, layout, update_buffers=model.update_buffers, compile=compile)
     pstate = ft.train.init_state(sharded, opt)
     got = []
-    for b in batches:
-        pstate, m = step(pstate, parallel.shard_batch(b, layout))
+    for i, b in enumerate(batches):
+        with torch._dynamo.config.patch(error_on_recompile=bool(compile) and i > 0, capture_scalar_outputs=False):
+            pstate, m = step(pstate, parallel.shard_batch(b, layout))
         got.append(m)
     final = parallel.unshard(pstate.params)
 
@@ -137,6 +143,75 @@ def steps_check(name: str, degrees: dict[str, int], n_steps: int = 3) -> dict:
     }
 
 
+def _local_loss(family: str, degrees: dict[str, int]):
+    """``(layout, local loss, local params, local batch, MoE layers)`` of a tiny family on ``degrees``."""
+    module, make_cfg = FAMILIES[family]
+    model = module.model(make_cfg())
+    params = init_params(family, model)
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
+    local_loss = parallel.make_parallel_loss(loss_fn, layout, ft.tree.map(parallel.sharding_of, sharded))
+    batch = parallel.shard_batch(batch_for(8, 16, model.config.vocab_size), layout)
+    n_moe = sum(1 for p in ft.tree.flatten_with_paths(params)[0] if p.endswith(".moe.experts.w1"))
+    return layout, local_loss, parallel.to_local(sharded), batch, n_moe
+
+
+def exchange_counts_check(name: str, family: str, degrees: dict[str, int], kind: str) -> dict:
+    """All-to-alls this rank issues in one forward and in one gradient (eager), with the ``kind`` exchange."""
+    layout, local_loss, local, batch, n_moe = _local_loss(family, degrees)
+    with parallel.use(layout), expert.exchange(kind):
+        with C.count_calls() as forward, torch.no_grad():
+            local_loss(local, batch)
+        with C.count_calls() as step:
+            ft.train.value_and_grad(local_loss, impl="autograd")(local, batch)
+    return {"check": name, "n_moe_layers": n_moe, "forward": dict(forward), "step": dict(step)}
+
+
+def _is_a2a(node) -> bool:
+    return node.target is torch.ops._c10d_functional.all_to_all_single.default
+
+
+def compiled_grads_check(name: str, family: str, degrees: dict[str, int]) -> dict:
+    """The gradient of the parallel loss compiled with fullgraph=True and ``capture_scalar_outputs=False``
+    (any ``.item()`` / ``.tolist()``, i.e. a host sync, breaks the graph and fails the compile) vs eager;
+    the all-to-alls in the captured graph; the ``"sync"`` exchange refused under compile."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    layout, local_loss, local, batch, n_moe = _local_loss(family, degrees)
+    graphs = []
+
+    def capture(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    grad_fn = ft.train.value_and_grad(local_loss, impl="autograd")
+    compiled = torch.compile(grad_fn, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    flags = dict(trace_autograd_ops=True, capture_scalar_outputs=False, capture_dynamic_output_shape_ops=False)
+    with parallel.use(layout):
+        ref_g, (ref_l, _) = grad_fn(local, batch)
+        with torch._dynamo.config.patch(**flags):
+            g, (l, _) = compiled(local, batch)
+            try:
+                with expert.exchange("sync"):
+                    torch.compile(grad_fn, fullgraph=True, backend="aot_eager")(local, batch)
+                sync_error = ""
+            except Exception as e:  # noqa: BLE001 - what the sync exchange raises under compile
+                sync_error = f"{type(e).__name__}: {e} | cause: {e.__cause__!r}"
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    return {
+        "check": name,
+        "n_moe_layers": n_moe,
+        "loss_diff": abs(float(l) - float(ref_l)),
+        "grad_diff": max_diff(g, ref_g),
+        "graphs": len(graphs),
+        "graph_all_to_all": sum(1 for n in nodes if _is_a2a(n)),
+        "graph_all_to_all_splits": sorted({str(n.args[1]) for n in nodes if _is_a2a(n)}),
+        "sync_error": sync_error[-1500:],
+    }
+
+
 EP2_DP2 = {"ep": 2, "dp_shard": 2}
 CHECKS = {
     "ep2_dp_shard2_qwen3_moe": lambda: grads_check("ep2_dp_shard2_qwen3_moe", "qwen3_moe", EP2_DP2),
@@ -154,4 +229,30 @@ CHECKS = {
     "cp2_ep2_qwen3_moe": lambda: grads_check("cp2_ep2_qwen3_moe", "qwen3_moe", {"ep": 2, "cp": 2}),
     "tp2_cp2_deepseek_v3": lambda: grads_check("tp2_cp2_deepseek_v3", "deepseek_v3", {"tp": 2, "cp": 2}),
     "steps_ep2_dp_shard2_deepseek_v3": lambda: steps_check("steps_ep2_dp_shard2_deepseek_v3", EP2_DP2),
+    "ep_exchange_padded_deepseek_v3": lambda: exchange_counts_check(
+        "ep_exchange_padded_deepseek_v3", "deepseek_v3", EP2_DP2, "padded"
+    ),
+    "ep_exchange_sync_deepseek_v3": lambda: exchange_counts_check(
+        "ep_exchange_sync_deepseek_v3", "deepseek_v3", EP2_DP2, "sync"
+    ),
+    "ep_exchange_padded_qwen3_moe_ep4": lambda: exchange_counts_check(
+        "ep_exchange_padded_qwen3_moe_ep4", "qwen3_moe", {"ep": 4}, "padded"
+    ),
+    "ep_compiled_grads_deepseek_v3": lambda: compiled_grads_check("ep_compiled_grads_deepseek_v3", "deepseek_v3", EP2_DP2),
+    "ep2_dp_shard2_qwen3_moe_sync": lambda: _sync(grads_check, "ep2_dp_shard2_qwen3_moe_sync", "qwen3_moe", EP2_DP2),
 }
+if os.environ.get("FTITAN_EP_SLOW_CHECKS"):  # compiled steps, tp: ~1-2 min of compiling; the slow tier
+    CHECKS.update({
+        "steps_ep2_dp_shard2_deepseek_v3_compiled": lambda: steps_check(
+            "steps_ep2_dp_shard2_deepseek_v3_compiled", EP2_DP2, compile="aot_eager"
+        ),
+        "ep_compiled_grads_qwen3_moe_tp2": lambda: compiled_grads_check(
+            "ep_compiled_grads_qwen3_moe_tp2", "qwen3_moe", {"ep": 2, "tp": 2}
+        ),
+    })  # fmt: skip
+
+
+def _sync(check, *args, **kw) -> dict:
+    """``check`` with the previous (host-synchronized) exchange: it keeps its parity too."""
+    with expert.exchange("sync"):
+        return check(*args, **kw)

@@ -81,3 +81,37 @@ def test_rules_split_routed_experts_and_their_router_rows_over_ep(family):
     if family == "deepseek_v3":
         assert placements[f"{pre}.router_bias"] == "(ep)"
         assert "ep" not in placements[f"{pre}.shared.w1"]
+
+
+@pytest.mark.parametrize(("dtype", "n_experts", "tol"), [(torch.float32, 8, 1e-6), (torch.bfloat16, 520, 2e-2)])
+def test_padded_exchange_math_equals_the_routed_experts(dtype, n_experts, tol):
+    """The padded exchange in one process: each destination's block of the send buffer, run through that
+    rank's experts (``_local_routed``), summed over ranks == nn.moe's routed output. The expert ids travel
+    bit-cast in the rows' dtype: exact in bf16 too, for E = 520 > 256 where a value cast would round.
+    Tolerance: fp32 rounding (1e-6); bf16 sums the ranks' partials in another order (2e-2)."""
+    cfg = M.MoEConfig(n_experts=n_experts, top_k=3, expert_dim=4)
+    p = ft.tree.map(lambda t: t.to(dtype), nn.init(M.moe_params(8, cfg, std=0.3), ft.random.key(0)))
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    routing = M.route(x, p, cfg)
+    ep, n_local = 2, n_experts // 2
+    buf = expert._send_buffer(x, routing, n_local, ep).view(ep, 10, -1)  # (ep, N, D + 2k)
+    ids = buf[..., 8 + 3 :].contiguous().view(expert._INT_OF_SIZE[x.element_size()]).long() - 1
+    for r in range(ep):  # each destination sees exactly its own experts' local ids
+        mine = routing.experts // n_local == r
+        assert torch.equal(ids[r], torch.where(mine, routing.experts % n_local, -1))
+    ex = p["experts"]
+    partials = [expert._local_routed(buf[r], {k: w[r * n_local : (r + 1) * n_local] for k, w in ex.items()}, cfg)
+                for r in range(ep)]  # fmt: skip
+    d = M.dispatch(x, routing, n_experts)
+    ref = M.combine(M.experts_forward(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing)
+    torch.testing.assert_close(partials[0] + partials[1], ref, rtol=tol, atol=tol)
+
+
+def test_exchange_is_validated_and_scoped():
+    assert expert.current_exchange() == "padded"
+    with expert.exchange("sync"):
+        assert expert.current_exchange() == "sync"
+    assert expert.current_exchange() == "padded"
+    with pytest.raises(ValueError, match="expected one of"):
+        with expert.exchange("fast"):
+            pass
