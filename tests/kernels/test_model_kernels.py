@@ -1,0 +1,107 @@
+"""Models with ``kernels="triton"``: RMSNorm, SwiGLU and RoPE by ``ftitan.kernels`` (Triton in the interpreter
+here) give the ``kernels="torch"`` model's logits and gradients; on the CPU without ``op.interpret()`` the
+Triton model *is* the torch model, bit for bit.
+
+Gradients of the Triton model come from ``ft.train.value_and_grad(impl="autograd")`` (the kernels' autograd
+Functions; under torch.func they would step aside), compared with the torch model's ``torch.func`` path.
+
+Tolerances (fp32): rtol 1e-4, atol 1e-6, as the transform matrix's: the kernels sum the norms' statistics and
+dw in another order than the references (each ~1e-7 relative), accumulated over two layers; the loss and
+gradients here are 1e-4..1.
+"""
+
+import attrs
+import pytest
+import torch
+
+import ftitan as ft
+from ftitan.kernels import op
+from ftitan.kernels import rms_norm as k_norm
+from ftitan.kernels import rope as k_rope
+from ftitan.kernels import swiglu as k_swiglu
+from tests.kernels._kernel_checks import Spy
+from tests.tiny_families import SHRINK, family, tiny_config
+
+F32 = dict(rtol=1e-4, atol=1e-6)
+B, T = 2, 8
+
+
+def _models(name):
+    cfg = tiny_config(name)
+    fam = family(name)
+    return fam.model(cfg), fam.model(attrs.evolve(cfg, kernels="triton"))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, SHRINK["vocab_size"], (B, T + 1), generator=g)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _spies(monkeypatch):
+    return (Spy(monkeypatch, k_norm, ("_fwd_op", "_bwd_op")), Spy(monkeypatch, k_swiglu, ("_fwd_op", "_bwd_op")),
+            Spy(monkeypatch, k_rope, ("_rope_op",)))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])  # qwen3: the QK-norm too
+def test_triton_model_logits_and_autograd_gradients_equal_the_torch_model(name, monkeypatch):
+    torch_model, triton_model = _models(name)
+    params, batch = torch_model.init(ft.random.key(0)), _batch()
+    norm, swiglu, rope = _spies(monkeypatch)
+    with op.interpret():
+        logits = triton_model.apply(params, batch["inputs"])[0]
+        grads, (loss, _) = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")(params, batch)
+    layers = SHRINK["n_layers"]
+    qk = 2 * layers if name == "qwen3" else 0
+    # each forward: 2 norms per layer + the final one (+ QK-norms), 2 RoPE launches and 1 SwiGLU per layer
+    assert norm.calls == {"_fwd_op": 2 * (2 * layers + 1 + qk), "_bwd_op": 2 * layers + 1 + qk}
+    assert rope.calls == {"_rope_op": 2 * 2 * layers + 2 * layers}
+    assert swiglu.calls == {"_fwd_op": 2 * layers, "_bwd_op": layers}
+    want_grads, (want_loss, _) = ft.train.value_and_grad(ft.train.next_token_loss(torch_model))(params, batch)
+    torch.testing.assert_close(logits, torch_model.apply(params, batch["inputs"])[0], **F32)
+    torch.testing.assert_close((loss, grads), (want_loss, want_grads), **F32)
+
+
+def test_compiled_triton_step_gradients_equal_the_torch_model(monkeypatch):
+    torch_model, triton_model = _models("llama")
+    params, batch = torch_model.init(ft.random.key(0)), _batch()
+    grad_fn = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm.print_readable(print_output=False))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example)
+
+    torch._dynamo.reset()
+    with op.interpret():
+        grads, (loss, _) = torch.compile(grad_fn, backend=backend, fullgraph=True)(params, batch)
+    torch._dynamo.reset()
+    code = "\n".join(graphs)
+    for name in ("rms_norm_fwd", "rms_norm_bwd", "swiglu_fwd", "swiglu_bwd", "rope"):
+        assert f"ftitan_kernels.{name}" in code, name
+    want_grads, (want_loss, _) = ft.train.value_and_grad(ft.train.next_token_loss(torch_model))(params, batch)
+    torch.testing.assert_close((loss, grads), (want_loss, want_grads), **F32)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_on_cpu_the_triton_model_is_the_torch_model_bit_for_bit(name, monkeypatch):
+    torch_model, triton_model = _models(name)
+    params, batch = torch_model.init(ft.random.key(0)), _batch()
+    spies = _spies(monkeypatch)
+    got = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")(params, batch)
+    logits = triton_model.apply(params, batch["inputs"])[0]
+    assert sum(s.total() for s in spies) == 0  # no interpret(): the references ran
+    want = ft.train.value_and_grad(ft.train.next_token_loss(torch_model), impl="autograd")(params, batch)
+    assert torch.equal(logits, torch_model.apply(params, batch["inputs"])[0])
+    for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_kernels_field_is_checked():
+    with pytest.raises(ValueError, match=r"llama\.Config\.kernels='cuda'"):
+        attrs.evolve(tiny_config("llama"), kernels="cuda")
+    with pytest.raises(ValueError, match=r"qwen3_moe\.Config\.kernels"):
+        attrs.evolve(tiny_config("qwen3_moe"), kernels="")
+    assert ft.config.with_kernels("triton")(tiny_config("deepseek_v3")).kernels == "triton"
+    with pytest.raises(ValueError, match="--kernels='helion'"):
+        ft.config.with_kernels("helion")
