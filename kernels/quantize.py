@@ -194,7 +194,7 @@ def quantize(x: torch.Tensor, fmt: str, block: quant.Block = quant.BLOCK) -> tup
     if fmt not in quant.FORMATS:
         raise ValueError(f"quantize: format {fmt!r}; expected one of {sorted(quant.FORMATS)}")
     rows, cols = _block(block)
-    if not op.use_kernel(x):
+    if not op.use_kernel(x) or x.dim() == 0:  # (a 0-d tensor: the reference's one-value block)
         return quantize_reference(x, fmt, block)
     x = x.detach()
     return quantize_op(x if x.dtype in _FLOATS else x.float(), fmt, rows, cols)
@@ -205,6 +205,6 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: quant.Block = quant
     """``ftitan.flexshard.quant.dequantize`` (``values * scale`` of each block, in ``dtype``), by the Triton
     kernel where :func:`ftitan.kernels.op.use_kernel` says so, else by the reference; bit-identical."""
     rows, cols = _block(block)
-    if not op.use_kernel(q, scales):
+    if not op.use_kernel(q, scales) or q.dim() == 0:
         return dequantize_reference(q, scales, block, dtype)
     return dequantize_op(q, scales, rows, cols).to(dtype)

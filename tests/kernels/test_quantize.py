@@ -33,7 +33,7 @@ class _Spy:
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes (so -0.0 != 0.0 and NaN == NaN: bit-identity, not value equality)."""
-    return x.contiguous().view(torch.uint8)
+    return x.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _data(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -91,6 +91,16 @@ def test_every_rounding_tie_and_subnormal():
     assert float(s[0]) == 1.0 and (q.float() != fp8).any()  # the midpoints did round
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_whole_float32_range_and_subnormal_inputs(fmt):
+    """Magnitudes from 2 ** -149 to 2 ** 120 (so scales from subnormal to huge), and rows of subnormals only."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(24, 96, generator=g) * torch.exp2(torch.randint(-149, 121, (24, 96), generator=g).float())
+    x[:4] = torch.randn(4, 96, generator=g) * 1e-40
+    for block in (32, (4, 16)):
+        _assert_same_as_reference(x, fmt, block)
+
+
 def test_all_zero_tensor_and_empty():
     for x in (torch.zeros(5, 40), -torch.zeros(3, 8)):
         for fmt in ("int8", "fp8"):
@@ -98,6 +108,7 @@ def test_all_zero_tensor_and_empty():
     with op.interpret():
         q, s = quant.quantize(torch.zeros(0, 8), "int8", 4)
     assert q.shape == (0, 8) and s.numel() == 0
+    _assert_same_as_reference(torch.tensor(-3.0), "fp8", 4)  # a 0-d tensor: one block (the reference's path)
 
 
 def test_flexshard_quantized_gather_same_bytes_and_gradients(monkeypatch):
