@@ -79,6 +79,24 @@ def test_loss_and_grads_match_reference(monkeypatch, dtype, cap):
     assert torch.count_nonzero(dh[t == -100]) == 0  # ignored rows: exactly no gradient
 
 
+def test_saturated_soft_cap_and_forward_without_grad(monkeypatch):
+    """Logits far past the cap (|z / cap| of tens: tanh saturates, its chain factor underflows to 0) match
+    the reference; under no_grad only the forward kernel runs."""
+    h, w, t = _case(seed=5)
+    w = w * 8
+    ref_loss, ref_dh, ref_dw = _reference(h, w, t, 1.0)
+    hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
+    spy = _Spy(monkeypatch)
+    with op.interpret():
+        loss = L.linear_cross_entropy(hk, wk, t, softcap=1.0, tiles=TILES)
+        dh, dw = torch.autograd.grad(loss * G, (hk, wk))
+        with torch.no_grad():
+            again = L.linear_cross_entropy(h, w, t, softcap=1.0, tiles=TILES)
+    assert (spy.fwd, spy.bwd) == (2, 1)
+    for a, b in ((loss, ref_loss), (again, ref_loss), (dh, ref_dh), (dw, ref_dw)):
+        torch.testing.assert_close(a, b, **F32)
+
+
 def test_all_rows_ignored_gives_zero_loss_and_grads():
     h, w, t = _case()
     hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
