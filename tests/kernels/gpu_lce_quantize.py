@@ -88,7 +88,8 @@ def check_lce(device: torch.device, n: int, v: int, d: int, dtype: torch.dtype, 
     ref = (ref_loss.detach(), *torch.autograd.grad(ref_loss, (hr, wr)))
     del hr, wr, ref_loss
     got = kernel()
-    rel = [float((a.detach().float() - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(got, ref, strict=True)]
+    rel = [float((a.detach().float() - b).abs().max() / b.abs().max().clamp(min=1e-30))
+           for a, b in zip(got, ref, strict=True)]  # fmt: skip
     tol = 1e-4 if dtype == torch.float32 else 2**-6
     peaks = {}
     for name, fn in (("kernel", kernel), ("chunked", chunked)):

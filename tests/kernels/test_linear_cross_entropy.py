@@ -136,7 +136,8 @@ def test_next_token_loss_reads_the_model_configs_kernels(monkeypatch):
 
     def model(kernels):
         return SimpleNamespace(apply=lambda p, x, logits, **_: (p["emb"][x], None), apply_with_aux=None,
-                               head=lambda p: p["head"], logit_softcap=3.0, config=SimpleNamespace(kernels=kernels))  # fmt: skip
+                               head=lambda p: p["head"], logit_softcap=3.0,
+                               config=SimpleNamespace(kernels=kernels))  # fmt: skip
 
     g = torch.Generator().manual_seed(4)
     params = {"emb": torch.randn(V, D, generator=g), "head": torch.randn(V, D, generator=g) * 0.5}
