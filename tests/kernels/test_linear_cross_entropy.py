@@ -5,6 +5,8 @@ gradient by ``torch.autograd.grad`` inside); the reference under ``torch.func``;
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -41,6 +43,18 @@ class _Spy:
 
         monkeypatch.setattr(L, "fwd_op", counted_fwd)
         monkeypatch.setattr(L, "bwd_op", counted_bwd)
+
+
+@contextlib.contextmanager
+def _trace_autograd_ops():
+    """dynamo traces ``torch.autograd.grad`` inside the block, and the flag is restored after (set, not patched:
+    a ``monkeypatch.setattr`` of a dynamo config elsewhere deletes it on undo, and ``config.patch`` then fails)."""
+    before = getattr(torch._dynamo.config, "trace_autograd_ops", False)
+    torch._dynamo.config.trace_autograd_ops = True
+    try:
+        yield
+    finally:
+        torch._dynamo.config.trace_autograd_ops = before
 
 
 def _case(dtype=torch.float32, seed=0):
@@ -145,8 +159,7 @@ def test_next_token_loss_reads_the_model_configs_kernels(monkeypatch):
     batch = {"inputs": inputs, "targets": inputs.roll(-1, 1).masked_fill(inputs % 7 == 0, -100)}
     want_grads, (want, _) = value_and_grad(losses.next_token_loss(model("torch")))(params, batch)
     spy = _Spy(monkeypatch)
-    # (config.patch restores the flag impl="autograd" sets; monkeypatch.setattr's undo would delete it)
-    with op.interpret(), torch._dynamo.config.patch(trace_autograd_ops=torch._dynamo.config.trace_autograd_ops):
+    with op.interpret(), _trace_autograd_ops():  # (restores the flag impl="autograd" sets)
         func_grads, (func, _) = value_and_grad(losses.next_token_loss(model("triton")))(params, batch)
         assert (spy.fwd, spy.bwd) == (0, 0)  # torch.func: the reference
         got_grads, (got, _) = value_and_grad(losses.next_token_loss(model("triton")), impl="autograd")(params, batch)
@@ -173,7 +186,7 @@ def test_compiled_gradients_match_eager_reference(monkeypatch):
 
     torch._dynamo.reset()
     compiled = torch.compile(loss_and_grads, fullgraph=True, backend=backend)
-    with op.interpret(), torch._dynamo.config.patch(trace_autograd_ops=True):
+    with op.interpret(), _trace_autograd_ops():
         loss, dh, dw = compiled(h.clone().requires_grad_(), w.clone().requires_grad_())
     assert any("linear_cross_entropy_fwd" in g and "linear_cross_entropy_bwd" in g for g in graphs)
     torch.testing.assert_close(loss, ref_loss, **F32)
