@@ -192,7 +192,8 @@ _dispatch_op = op.define("permute_dispatch", "(Tensor x, Tensor pos, SymInt n_ro
                          _dispatch_impl, _dispatch_fake)  # fmt: skip
 _combine_op = op.define("permute_combine", "(Tensor y, Tensor pos, Tensor? weights) -> Tensor",
                         _combine_impl, _combine_fake)  # fmt: skip
-_combine_bwd_op = op.define("permute_combine_bwd", "(Tensor g, Tensor y, Tensor pos, Tensor weights) -> (Tensor, Tensor)",
+_combine_bwd_op = op.define("permute_combine_bwd",
+                            "(Tensor g, Tensor y, Tensor pos, Tensor weights) -> (Tensor, Tensor)",
                             _combine_bwd_impl, _combine_bwd_fake)  # fmt: skip
 
 
@@ -216,7 +217,7 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]  # noqa: E501
         return _combine_op(y, pos, weights)
 
     @staticmethod

@@ -209,7 +209,7 @@ def _moe_padded(
     n, d = x2.shape
     routing = moe_.route(x2, p, cfg)
     sent = _all_to_all_start(_send_buffer(x2, routing, p["experts"]["w1"].shape[0], ep), group)
-    shared = swiglu(x2, **p["shared"]) if cfg.n_shared_experts else None  # overlaps the dispatch exchange
+    shared = swiglu(x2, **p["shared"], invariant=cfg.batch_invariant) if cfg.n_shared_experts else None  # overlaps
     recv = _wait(sent, group)  # (ep N, D + 2k): every source's tokens, weights, local expert ids
     partial = _local_routed(recv, p["experts"], cfg)  # (ep N, D): each source token's local choices
     out = _wait(_all_to_all_start(partial, group), group).view(ep, n, d).sum(0)  # the ep ranks' partial sums

@@ -87,7 +87,8 @@ def test_gradients_through_the_backward_ops_match_reference(dtype, d, monkeypatc
     gd, gc = torch.randn(n_rows, d).to(dtype), torch.randn(x.shape[0], d).to(dtype)
 
     def losses(dispatch, combine, x, y, w):
-        return (dispatch(x, perm.pos, n_rows).float() * gd.float()).sum() + (combine(y, perm.pos, w).float() * gc.float()).sum()
+        dispatched = (dispatch(x, perm.pos, n_rows).float() * gd.float()).sum()
+        return dispatched + (combine(y, perm.pos, w).float() * gc.float()).sum()
 
     args = [t.clone().requires_grad_() for t in (x, y, w)]
     ref = torch.autograd.grad(losses(P.dispatch_reference, P.combine_reference, *args), args)

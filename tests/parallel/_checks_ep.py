@@ -172,6 +172,19 @@ def _is_a2a(node) -> bool:
     return node.target is torch.ops._c10d_functional.all_to_all_single.default
 
 
+def _matmuls_in_flight(nodes) -> list[int]:
+    """For each all-to-all in graph order, the matmuls between it and the wait on its result (work that
+    overlaps the exchange)."""
+    index = {n: i for i, n in enumerate(nodes)}
+    out = []
+    for n in nodes:
+        if _is_a2a(n):
+            wait = min(index[u] for u in n.users if u.target is torch.ops._c10d_functional.wait_tensor.default)
+            out.append(sum(1 for m in nodes[index[n] + 1 : wait] if m.target in (torch.ops.aten.mm.default,
+                                                                                 torch.ops.aten.addmm.default)))  # fmt: skip
+    return out
+
+
 def compiled_grads_check(name: str, family: str, degrees: dict[str, int]) -> dict:
     """The gradient of the parallel loss compiled with fullgraph=True and ``capture_scalar_outputs=False``
     (any ``.item()`` / ``.tolist()``, i.e. a host sync, breaks the graph and fails the compile) vs eager;
@@ -201,6 +214,7 @@ def compiled_grads_check(name: str, family: str, degrees: dict[str, int]) -> dic
                 sync_error = f"{type(e).__name__}: {e} | cause: {e.__cause__!r}"
     nodes = [n for gm in graphs for n in gm.graph.nodes]
     return {
+        "matmuls_in_flight": _matmuls_in_flight(nodes),
         "check": name,
         "n_moe_layers": n_moe,
         "loss_diff": abs(float(l) - float(ref_l)),
@@ -238,7 +252,9 @@ CHECKS = {
     "ep_exchange_padded_qwen3_moe_ep4": lambda: exchange_counts_check(
         "ep_exchange_padded_qwen3_moe_ep4", "qwen3_moe", {"ep": 4}, "padded"
     ),
-    "ep_compiled_grads_deepseek_v3": lambda: compiled_grads_check("ep_compiled_grads_deepseek_v3", "deepseek_v3", EP2_DP2),
+    "ep_compiled_grads_deepseek_v3": lambda: compiled_grads_check(
+        "ep_compiled_grads_deepseek_v3", "deepseek_v3", EP2_DP2
+    ),
     "ep2_dp_shard2_qwen3_moe_sync": lambda: _sync(grads_check, "ep2_dp_shard2_qwen3_moe_sync", "qwen3_moe", EP2_DP2),
 }
 if os.environ.get("FTITAN_EP_SLOW_CHECKS"):  # compiled steps, tp: ~1-2 min of compiling; the slow tier
