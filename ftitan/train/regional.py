@@ -66,10 +66,16 @@ def _region(backend: str) -> Callable[..., Any]:
     return torch.compile(_call, backend=backend, fullgraph=True, dynamic=False)
 
 
+def _plain(p: Any) -> Any:
+    # a lazy params view (FlexShard's ``parallel.gathered``: gathers on first read, and knows its layer's
+    # path) read into plain dicts here, eagerly: the region then sees tensors, not a per-layer object
+    return {k: _plain(v) for k, v in p.items()} if isinstance(p, Mapping) else p
+
+
 def block_call(backend: str, block: Callable[..., Any], i: int, p: Mapping[str, Any], h: torch.Tensor,
                attend: Any) -> Any:  # fmt: skip
-    """``block(i, p, h, attend)`` through the compiled region of ``backend``."""
-    return _region(backend)(block, i, p, h, attend)
+    """``block(i, p, h, attend)`` through the compiled region of ``backend`` (``p`` read into plain dicts)."""
+    return _region(backend)(block, i, _plain(p), h, attend)
 
 
 def backend_of(compile: bool | str) -> str | None:
