@@ -18,8 +18,13 @@ for, in the same process, alternating after warm-up:
 Every peer uses the same architecture, batch and AdamW hyperparameters;
 torch's AdamW runs its ``fused`` kernel (TorchTitan's default and the
 fastest torch offers). Achieved model FLOP/s are reported against a GEMM peak
-measured in the same run (in the compute dtype) and, on a GPU whose dense
-bf16 peak is published (H100/H200: 989 TFLOP/s), against that peak: MFU.
+sampled in every round beside the steps (in the compute dtype; the median of
+each round's best of 3) and, on a GPU whose dense bf16 peak is published
+(H100/H200: 989 TFLOP/s), against that peak: MFU.
+
+``ftitan-compiled-bf16`` / ``hf-compiled-bf16``: a bf16 row beside the fp32
+one (bf16 forward and backward, fp32 masters and AdamW state), judged against
+a bf16 GEMM peak of its own; on a CPU only where it has AVX512-BF16.
 Prints one JSON object (see DESIGN.md, "Benchmarks"); ``--out FILE`` also
 writes it.
 
@@ -46,12 +51,14 @@ from ftitan.bench import peers, timing
 
 __all__ = ["Options", "ftitan_step", "main", "run"]
 
-# the goals this benchmark judges (issue: functional core, item 8)
+# the goals this benchmark judges (issue: functional core, item 8; kernels and compile, item 5)
 GOALS = {
     "ftitan-compiled/hf-eager": 1.2,
-    "ftitan-compiled/best-compiled-peer": 1.0,
+    "ftitan-compiled/best-compiled-peer": 1.05,
+    "ftitan-compiled/gemm-peak": 0.85,  # model FLOP/s over the same run's interleaved GEMM peak
     "ftitan-compiled-streaming/ftitan-compiled": 0.95,  # the streaming loader costs the step <= 5% (real runs, 4)
 }
+BF16 = "-bf16"  # peer suffix: the same peer with bf16 compute (fp32 masters), a row beside the fp32 goal
 MFU_GOAL_8B = 0.45  # of the device's dense bf16 peak, on the 8B shape (issue: real runs, item 5)
 
 
@@ -67,12 +74,16 @@ class Options:
         "hf-compiled",
         "torchtitan-eager",
         "torchtitan-compiled",
+        "ftitan-compiled-bf16",
+        "hf-compiled-bf16",
     )
-    """Which peers to run (torchtitan-* need the ``bench`` extra)."""
+    """Which peers to run (torchtitan-* need the ``bench`` extra). A ``-bf16`` peer is its fp32 peer with
+    bf16 compute (ftitan's MixedPrecision, HF's autocast), judged against a bf16 GEMM peak; on a CPU it
+    runs where the CPU has AVX512-BF16 (elsewhere bf16 GEMMs are emulated and it is skipped)."""
     warmup: int = 2
     """Untimed calls per peer before timing (the first compiles)."""
-    rounds: int = 5
-    """Timed round-robin rounds; medians are reported."""
+    rounds: int = 8
+    """Timed round-robin rounds (the GEMM peak is sampled in each, beside the steps); medians are reported."""
     threads: int = 0
     """torch threads (0: keep torch's default)."""
     quick: bool = False
@@ -194,6 +205,8 @@ def _streaming(cfg: dict[str, Any], source: Any, tok: Any) -> Iterator[dict[str,
 
 def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
            loader: tuple[Any, Any] | None = None) -> Callable[[], float]:  # fmt: skip
+    if name.endswith(BF16):
+        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader)
     if name == STREAMING_PEER:
         assert loader is not None
         return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader))
@@ -214,11 +227,22 @@ def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dt
 
 
 def _ratios(results: dict[str, Any]) -> dict[str, float]:
-    tps = {k: v["tokens_per_s"] for k, v in results.items()}
+    """Peer ratios within a row (fp32, or the ``-bf16`` peers), and each row's ftitan-compiled over its
+    own GEMM peak (``<row's ftitan-compiled>/gemm-peak``: model FLOP/s / peak FLOP/s)."""
     out: dict[str, float] = {}
+    for peer in ("ftitan-compiled", "ftitan-compiled" + BF16):
+        if peer in results:
+            out[f"{peer}/gemm-peak"] = results[peer]["mfu_vs_gemm_peak"]
+    bf16 = {k: v["tokens_per_s"] for k, v in results.items() if k.endswith(BF16)}
+    if "ftitan-compiled" + BF16 in bf16:
+        for peer in sorted(set(bf16) - {"ftitan-compiled" + BF16}):
+            out[f"ftitan-compiled{BF16}/{peer}"] = bf16["ftitan-compiled" + BF16] / bf16[peer]
+    tps = {k: v["tokens_per_s"] for k, v in results.items() if not k.endswith(BF16)}
     if "ftitan-compiled" not in tps:
         return out
     ours = tps["ftitan-compiled"]
+    if "ftitan-compiled" + BF16 in bf16:  # what bf16 compute buys the step
+        out[f"ftitan-compiled{BF16}/ftitan-compiled"] = bf16["ftitan-compiled" + BF16] / ours
     for peer in sorted(tps):
         if peer not in ("ftitan-compiled", STREAMING_PEER):
             out[f"ftitan-compiled/{peer}"] = ours / tps[peer]
@@ -254,6 +278,13 @@ def _device_peak(device: torch.device) -> dict[str, Any] | None:
 
 def _skipped(names: list[str], device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     skipped = {}
+    for n in [n for n in names if n.endswith(BF16)]:
+        if dtype != torch.float32:
+            skipped[n] = f"--mixed-precision {str(dtype).removeprefix('torch.')}: every peer already computes in it"
+        elif device.type == "cpu" and "avx512_bf16" not in timing.cpu_flags():
+            skipped[n] = "this CPU has no AVX512-BF16: its bf16 GEMMs are emulated, so the row would measure that"
+        elif n.removesuffix(BF16) not in ("ftitan-compiled", "ftitan-eager", "hf-eager", "hf-compiled"):
+            skipped[n] = "bf16 rows are built for the ftitan and hf peers"
     for n in [n for n in names if n.startswith("torchtitan")]:
         if importlib.util.find_spec("torchtitan") is None:
             skipped[n] = "torchtitan is not installed: pip install -e '.[bench]'"
@@ -275,10 +306,19 @@ def run(opts: Options) -> dict[str, Any]:
     skipped = _skipped(names, device, dtype)
     with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
         loader = streaming_loader(cfg, Path(tmp)) if STREAMING_PEER in names else None
-        steps = {n: _build(n, cfg, device, dtype, loader) for n in names if n not in skipped}
+        steps: dict[str, Callable[[], Any]] = {
+            n: _build(n, cfg, device, dtype, loader) for n in names if n not in skipped
+        }
+        # the GEMM peaks, sampled in every round beside the steps (their rows' denominators)
+        probes = {dtype: timing.GemmProbe(8192 if device.type == "cuda" else 2048, dtype, device=device)}
+        if any(n.endswith(BF16) for n in steps):
+            probes[torch.bfloat16] = timing.GemmProbe(probes[dtype].n, torch.bfloat16, device=device)
+        steps |= {_PROBE + str(d): p for d, p in probes.items()}
         measured = timing.time_steps(
             steps, tokens_per_step=cfg["batch_size"] * cfg["seq_len"], warmup=opts.warmup, rounds=opts.rounds
         )
+        for d in probes:
+            measured["results"].pop(_PROBE + str(d))
         loader_speed = None
         if loader is not None:
             from ftitan.data import loader_throughput
@@ -288,18 +328,22 @@ def run(opts: Options) -> dict[str, Any]:
             close = getattr(fn, "close", None)
             if close is not None:
                 close()
-    on_gpu = device.type == "cuda"
-    peak = timing.gemm_peak_flops(8192 if on_gpu else 2048, dtype, device=device)
+    peaks = {d: p.result(skip=opts.warmup) for d, p in probes.items()}
+    peak = peaks[dtype]
     device_peak = _device_peak(device)
     flops_per_token = _llama_model_flops(cfg)
     results = measured["results"]
-    for r in results.values():
+    for name, r in results.items():
+        row_dtype = torch.bfloat16 if name.endswith(BF16) else dtype
+        r["compute_dtype"] = str(row_dtype).removeprefix("torch.")
         r["model_flops_per_s"] = r["tokens_per_s"] * flops_per_token
-        r["mfu_vs_gemm_peak"] = r["model_flops_per_s"] / peak["flops_per_s"]
+        r["mfu_vs_gemm_peak"] = r["model_flops_per_s"] / peaks[row_dtype]["flops_per_s"]
         if device_peak is not None:
             r["mfu_vs_device_peak"] = r["model_flops_per_s"] / device_peak["flops_per_s"]
     ratios = _ratios(results)
     goals = {k: v for k, v in GOALS.items() if k in ratios}
+    if opts.quick or opts.model != "core" or device.type != "cpu":  # the GEMM-peak goal is the CPU core shape's
+        goals.pop("ftitan-compiled/gemm-peak", None)
     if device_peak is not None and "ftitan-compiled" in results:
         ratios["ftitan-compiled/device-peak"] = results["ftitan-compiled"]["mfu_vs_device_peak"]  # MFU
         if opts.model == "llama3-8b-2layers" and not opts.quick:
@@ -311,6 +355,7 @@ def run(opts: Options) -> dict[str, Any]:
                          "optimizer": "adamw", "quick": opts.quick},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
+        "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak
         "device_peak": device_peak,
         "loader": loader_speed,
         "model_flops_per_token": flops_per_token,
@@ -320,6 +365,9 @@ def run(opts: Options) -> dict[str, Any]:
         "goals": goals,
         "met": bool(goals) and all(ratios[k] >= v for k, v in goals.items()),
     }
+
+
+_PROBE = "gemm-peak:"  # the GEMM probes' names among time_steps' peers
 
 
 def _llama_model_flops(cfg: dict[str, Any]) -> float:

@@ -35,7 +35,9 @@ __all__ = [
     "time_steps",
     "ratios",
     "gemm_peak_flops",
+    "GemmProbe",
     "machine_info",
+    "cpu_flags",
 ]
 
 
@@ -166,6 +168,64 @@ def gemm_peak_flops(
         "median_s": med,
         "flops_per_s": 2.0 * n**3 / med,
     }
+
+
+class GemmProbe:
+    """The GEMM peak as one more peer of :func:`time_steps`: each call times ``repeats`` ``n x n @ n x n``
+    matmuls and keeps the fastest, so the peak is sampled in every round, beside the steps it divides,
+    instead of once after them (a shared machine's load drifts by tens of percent within a run).
+
+    :meth:`result` has :func:`gemm_peak_flops`'s keys: ``flops_per_s`` is ``2 n^3`` over the median of
+    the per-call best times (``rounds``: how many calls were timed).
+    """
+
+    def __init__(self, n: int, dtype: torch.dtype, *, device: str | torch.device = "cpu", repeats: int = 3):
+        if n < 1 or repeats < 1:
+            raise ValueError(f"GemmProbe: n={n} and repeats={repeats} must be >= 1")
+        g = torch.Generator(device="cpu").manual_seed(0)
+        self.a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        self.b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
+        self.out = torch.empty(n, n, device=device, dtype=dtype)
+        self.n, self.repeats, self.best_s = n, repeats, []  # best_s: one entry per call
+
+    def __call__(self) -> None:
+        ts = []
+        for _ in range(self.repeats):
+            _sync()
+            t0 = time.perf_counter()
+            torch.mm(self.a, self.b, out=self.out)
+            _sync()
+            ts.append(time.perf_counter() - t0)
+        self.best_s.append(min(ts))
+
+    def result(self, skip: int = 0) -> dict[str, Any]:
+        """The peak over the calls after the first ``skip`` (the untimed warm-up calls)."""
+        ts = self.best_s[skip:]
+        if not ts:
+            raise ValueError("GemmProbe.result: no timed calls (call the probe, e.g. as a time_steps peer)")
+        med = statistics.median(ts)
+        return {
+            "n": self.n,
+            "dtype": str(self.a.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "repeats": self.repeats,
+            "rounds": len(ts),
+            "interleaved": True,
+            "median_s": med,
+            "flops_per_s": 2.0 * self.n**3 / med,
+        }
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (e.g. ``avx512_bf16``, ``amx_bf16``); empty elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def _cpu_model() -> str:
