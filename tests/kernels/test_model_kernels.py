@@ -103,5 +103,22 @@ def test_kernels_field_is_checked():
     with pytest.raises(ValueError, match=r"qwen3_moe\.Config\.kernels"):
         attrs.evolve(tiny_config("qwen3_moe"), kernels="")
     assert ft.config.with_kernels("triton")(tiny_config("deepseek_v3")).kernels == "triton"
-    with pytest.raises(ValueError, match="--kernels='helion'"):
-        ft.config.with_kernels("helion")
+    with pytest.raises(ValueError, match="--kernels='cuda'"):
+        ft.config.with_kernels("cuda")
+
+
+# qwen3_next is slow here: its Gated DeltaNet chunk kernel (kernels="triton" too) runs in the interpreter
+@pytest.mark.parametrize("name", ["deepseek_v3", "muse_glimmer", "qwen3_moe",
+                                  pytest.param("qwen3_next", marks=pytest.mark.slow)])  # fmt: skip
+def test_other_families_run_the_kernels_and_keep_their_logits(name, monkeypatch):
+    """The families' own call sites (MLA's latent norms and rope dims, Muse Glimmer's centered norms,
+    Qwen3-Next's zero-centered norms and partial RoPE, the MoE shared experts) reach the kernels (the tiny
+    Qwen3-MoE has no dense MLP and no shared expert)."""
+    torch_model, triton_model = _models(name)
+    params, tokens = torch_model.init(ft.random.key(0)), _batch()["inputs"]
+    norm, swiglu, rope = _spies(monkeypatch)
+    with op.interpret():
+        logits = triton_model.apply(params, tokens)[0]
+    assert norm.total() >= 2 * SHRINK["n_layers"] and rope.total() >= 1
+    assert swiglu.total() >= (name != "qwen3_moe")
+    torch.testing.assert_close(logits, torch_model.apply(params, tokens)[0], **F32)
