@@ -256,6 +256,9 @@ CHECKS = {
         "ep_compiled_grads_deepseek_v3", "deepseek_v3", EP2_DP2
     ),
     "ep2_dp_shard2_qwen3_moe_sync": lambda: _sync(grads_check, "ep2_dp_shard2_qwen3_moe_sync", "qwen3_moe", EP2_DP2),
+    "ep2_dp_shard2_deepseek_v3_triton": lambda: _triton(
+        grads_check, "ep2_dp_shard2_deepseek_v3_triton", "deepseek_v3", EP2_DP2
+    ),
 }
 if os.environ.get("FTITAN_EP_SLOW_CHECKS"):  # compiled steps, tp: ~1-2 min of compiling; the slow tier
     CHECKS.update({
@@ -266,6 +269,29 @@ if os.environ.get("FTITAN_EP_SLOW_CHECKS"):  # compiled steps, tp: ~1-2 min of c
             "ep_compiled_grads_qwen3_moe_tp2", "qwen3_moe", {"ep": 2, "tp": 2}
         ),
     })  # fmt: skip
+
+
+def _triton(check, name: str, *args, **kw) -> dict:
+    """``check`` of a ``kernels="triton"`` model with the Triton kernels run in the interpreter (the launch
+    inherits pytest's ``TRITON_INTERPRET=1``), counting the permute kernels' calls."""
+    from ftitan.kernels import op, permute
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return {"check": name, "error": "needs TRITON_INTERPRET=1 in the launch's environment"}
+    calls = [0]
+    original = permute._Dispatch.apply
+
+    def counted(*a):
+        calls[0] += 1
+        return original(*a)
+
+    permute._Dispatch.apply = counted
+    try:
+        with op.interpret():
+            result = check(name, *args, kernels="triton", **kw)
+    finally:
+        permute._Dispatch.apply = original
+    return {**result, "permute_dispatch_calls": calls[0]}
 
 
 def _sync(check, *args, **kw) -> dict:
