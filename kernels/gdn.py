@@ -1,5 +1,7 @@
 """The Gated DeltaNet chunk kernel (Triton): the forward of the gated delta rule, one program per
-(batch, value head) walking the sequence a chunk at a time with the (Dk, Dv) state in fp32 registers.
+(batch, value head, block of <= 64 value dims) walking the sequence a chunk at a time with its columns
+of the (Dk, Dv) state in fp32 registers (the state's columns evolve independently: ``A``, ``W`` and the
+decays depend on ``k`` and the gates only, so each program recomputes them for its block).
 
 Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with Delta Rule"; the chunk
 form (WY representation, UT transform) of Yang et al. 2024, "Parallelizing Linear Transformers with
@@ -40,6 +42,7 @@ from ftitan.nn import gdn as _gdn
 __all__ = ["chunk_delta_rule", "chunk_delta_rule_reference"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel takes; float64 runs the reference
+_BLOCK_V = 64  # state columns per program: the columns of S (and of v, u, o) evolve independently
 
 
 @triton.jit
@@ -71,7 +74,7 @@ def _gdn_chunk_fwd_kernel(
     pid = tl.program_id(0)  # one (batch, value head)
     b, h = pid // HV, pid % HV
     hk = h // REP  # its key head
-    rows, ck, cv = tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    rows, ck, cv = tl.arange(0, BC), tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)  # a block of Dv
     mk, mv = ck < DK, cv < DV
     state_off = pid * DK * DV + ck[:, None] * DV + cv[None, :]
     s = tl.zeros((BK, BV), dtype=tl.float32)
@@ -140,11 +143,12 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     final = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=v.device)
     s0 = None if state is None else state.to(torch.float32).contiguous()
     seg = None if segments is None else segments.to(torch.int32).contiguous()
-    _gdn_chunk_fwd_kernel[(bsz * hv,)](
+    bv = min(_tile(dv), _BLOCK_V)
+    _gdn_chunk_fwd_kernel[(bsz * hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, final if s0 is None else s0, o if seg is None else seg, o, final,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
         0 if seg is None else seg.stride(0), t, hv, hv // hk, dk, dv, dk**-0.5,
-        BC=_tile(chunk), BK=_tile(dk), BV=_tile(dv), HAS_S0=s0 is not None, HAS_SEG=seg is not None,
+        BC=_tile(chunk), BK=_tile(dk), BV=bv, HAS_S0=s0 is not None, HAS_SEG=seg is not None,
     )  # fmt: skip
     return o, final
 

@@ -77,6 +77,17 @@ def test_forward_matches_chunked_and_recurrent(t, hk, initial, packed, monkeypat
         assert (gdn.chunked_delta_rule(q, k, v, decay, beta, state)[0] - o).abs().max() > 1e-2
 
 
+def test_value_blocks_split_the_state_columns(monkeypatch):
+    (q, k, v, decay, beta), state = _case(t=21, dv=40, seed=9)  # 40 = blocks of 16, 16 and a ragged 8
+    segments = torch.tensor([[0] * 5 + [1] * 16, [3] * 21])
+    monkeypatch.setattr(kg, "_BLOCK_V", 16)
+    with op.interpret():
+        o, s = kg.chunk_delta_rule(q, k, v, decay, beta, state, chunk=CHUNK, segments=segments)
+    ro, rs = gdn.recurrent_delta_rule(q, k, v, decay, beta, state, segments=segments)
+    torch.testing.assert_close(o, ro, **TOL)
+    torch.testing.assert_close(s, rs, **TOL)
+
+
 def test_kernel_chunk_does_not_change_the_result():
     (q, k, v, decay, beta), state = _case(t=40, seed=1)
     with op.interpret():
