@@ -194,29 +194,34 @@ def _fwd_fake(h, w, targets, ignore_index, cap, block_n, block_v, block_d):  # t
 
 
 def _bwd_impl(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
-              ignore_index: int, cap: float, block_n: int, block_v: int, block_d: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+              ignore_index: int, cap: float, block_n: int, block_v: int, block_d: int, need_dh: bool,
+              need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    # dh (N, D) and dw (V, D) in h's / w's dtypes; an unneeded one is empty (0,) and not computed
     h, w, targets = h.contiguous(), w.contiguous(), targets.contiguous()
     g = g.to(torch.float32).reshape(1).contiguous()
-    dh = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-    dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    dh = torch.zeros(h.shape if need_dh else (0,), dtype=torch.float32, device=h.device)
+    dw = torch.zeros(w.shape if need_dw else (0,), dtype=torch.float32, device=w.device)
     if h.shape[0]:
         sizes, meta = _launch_args(h, w, ignore_index, cap, (block_n, block_v, block_d))
         args = (h, w, targets, lse.contiguous(), g)
-        _lce_bwd_dh[(triton.cdiv(h.shape[0], block_n),)](*args, dh, **sizes, **meta)
-        _lce_bwd_dw[(triton.cdiv(w.shape[0], block_v),)](*args, dw, **sizes, **meta)
+        if need_dh:
+            _lce_bwd_dh[(triton.cdiv(h.shape[0], block_n),)](*args, dh, **sizes, **meta)
+        if need_dw:
+            _lce_bwd_dw[(triton.cdiv(w.shape[0], block_v),)](*args, dw, **sizes, **meta)
     return dh.to(h.dtype), dw.to(w.dtype)
 
 
-def _bwd_fake(h, w, targets, lse, g, ignore_index, cap, block_n, block_v, block_d):  # type: ignore[no-untyped-def]
-    return torch.empty_like(h), torch.empty_like(w)
+def _bwd_fake(h, w, targets, lse, g, ignore_index, cap, block_n, block_v, block_d,  # type: ignore[no-untyped-def]
+              need_dh, need_dw):  # fmt: skip
+    return h.new_empty(h.shape if need_dh else (0,)), w.new_empty(w.shape if need_dw else (0,))
 
 
 _SIZES = "int ignore_index, float cap, int block_n, int block_v, int block_d"
 fwd_op = op.define("linear_cross_entropy_fwd", f"(Tensor h, Tensor w, Tensor targets, {_SIZES}) -> (Tensor, Tensor)",
                    _fwd_impl, _fwd_fake)  # fmt: skip
 bwd_op = op.define("linear_cross_entropy_bwd",
-                   f"(Tensor h, Tensor w, Tensor targets, Tensor lse, Tensor g, {_SIZES}) -> (Tensor, Tensor)",
+                   f"(Tensor h, Tensor w, Tensor targets, Tensor lse, Tensor g, {_SIZES}, bool need_dh, "
+                   "bool need_dw) -> (Tensor, Tensor)",
                    _bwd_impl, _bwd_fake)  # fmt: skip
 
 
@@ -244,8 +249,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "or differentiate with torch.func, which runs the reference"
             )
         h, w, targets, lse = ctx.saved_tensors
-        dh, dw = bwd_op(h, w, targets, lse, g, ctx.ignore_index, ctx.cap, *ctx.tiles)
-        return dh, dw, None, None, None, None
+        need_dh, need_dw = ctx.needs_input_grad[:2]
+        dh, dw = bwd_op(h, w, targets, lse, g, ctx.ignore_index, ctx.cap, *ctx.tiles, need_dh, need_dw)
+        return dh if need_dh else None, dw if need_dw else None, None, None, None, None
 
 
 def linear_cross_entropy_reference(

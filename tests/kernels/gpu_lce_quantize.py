@@ -83,7 +83,7 @@ def check_lce(device: torch.device, n: int, v: int, d: int, dtype: torch.dtype, 
         loss = losses.chunked_cross_entropy(hk, wk, t, reduction="sum", logit_softcap=cap)
         return (loss, *torch.autograd.grad(loss, (hk, wk)))
 
-    hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
+    hr, wr = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()  # (.float() of fp32 is itself)
     ref_loss = L.linear_cross_entropy_reference(hr, wr, t, softcap=cap)
     ref = (ref_loss.detach(), *torch.autograd.grad(ref_loss, (hr, wr)))
     del hr, wr, ref_loss

@@ -69,7 +69,7 @@ def _case(dtype=torch.float32, seed=0):
 
 def _reference(h, w, t, cap):
     """The loss and (G-scaled) float32 gradients of the reference on float32 copies of the inputs."""
-    hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
+    hr, wr = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()  # (.float() of fp32 is itself)
     loss = L.linear_cross_entropy_reference(hr, wr, t, softcap=cap)
     return (loss.detach(), *torch.autograd.grad(loss * G, (hr, wr)))
 
@@ -109,6 +109,32 @@ def test_saturated_soft_cap_and_forward_without_grad(monkeypatch):
     assert (spy.fwd, spy.bwd) == (2, 1)
     for a, b in ((loss, ref_loss), (again, ref_loss), (dh, ref_dh), (dw, ref_dw)):
         torch.testing.assert_close(a, b, **F32)
+
+
+def test_frozen_head_or_hidden_skips_that_gradient(monkeypatch):
+    """Only the gradients autograd asks for are computed: a frozen head (LoRA) launches no dW kernel."""
+    h, w, t = _case(seed=6)
+    _, ref_dh, ref_dw = _reference(h, w, t, None)
+    launches = {"_lce_bwd_dh": 0, "_lce_bwd_dw": 0}
+
+    class Counted:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(L, name)
+
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return self.kernel[grid]
+
+    for name in launches:
+        monkeypatch.setattr(L, name, Counted(name))
+    hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
+    with op.interpret():
+        (dh,) = torch.autograd.grad(L.linear_cross_entropy(hk, w, t, tiles=TILES) * G, hk)
+        assert launches == {"_lce_bwd_dh": 1, "_lce_bwd_dw": 0}
+        (dw,) = torch.autograd.grad(L.linear_cross_entropy(h, wk, t, tiles=TILES) * G, wk)
+        assert launches == {"_lce_bwd_dh": 1, "_lce_bwd_dw": 1}
+    torch.testing.assert_close(dh, ref_dh, **F32)
+    torch.testing.assert_close(dw, ref_dw, **F32)
 
 
 def test_all_rows_ignored_gives_zero_loss_and_grads():
