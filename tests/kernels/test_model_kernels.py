@@ -122,3 +122,15 @@ def test_other_families_run_the_kernels_and_keep_their_logits(name, monkeypatch)
     assert norm.total() >= 2 * SHRINK["n_layers"] and rope.total() >= 1
     assert swiglu.total() >= (name != "qwen3_moe")
     torch.testing.assert_close(logits, torch_model.apply(params, tokens)[0], **F32)
+
+
+def test_kernels_flag_sets_the_model_field(tmp_path):
+    from ftitan.config import config_from_dict, config_to_dict, parse_train_args
+
+    args = ["--recipe", "deepseek-v3-debug", "--run-dir", str(tmp_path)]
+    cfg = parse_train_args([*args, "--kernels", "triton"])
+    assert cfg.model.kernels == "triton" and config_from_dict(config_to_dict(cfg)) == cfg
+    assert parse_train_args(args).model.kernels == "torch"  # "" keeps the model's
+    assert parse_train_args([*args, "--model.kernels", "triton"]).model.kernels == "triton"
+    with pytest.raises(ValueError, match="--kernels='cuda'"):
+        parse_train_args([*args, "--kernels", "cuda"])
