@@ -9,7 +9,8 @@ medians):
   ``nn.attention`` builds once per shape and then finds in its cache
   (``cached`` is that lookup), and the per-batch kinds (``document``: packed
   rows from segment ids, ``prefix_rows``: a prefix-LM with one length per
-  row), which it builds on every call;
+  row), which it builds on every call; ``dense_document`` is the (B, T, T)
+  mask of the documents that SDPA takes where FlexAttention cannot run;
 - the forward pass (``torch.no_grad``; FlexAttention has no CPU backward) of
   ``flex`` vs ``sdpa`` for a causal and a packed-document mask. ``flex`` is
   compiled (``torch.compile(fullgraph=True)``, inductor's FlexAttention
@@ -67,6 +68,8 @@ class Options:
     """Untimed calls per peer first (flex's compile happens here)."""
     rounds: int = 5
     """Timed rounds; medians are reported."""
+    threads: int = 0
+    """``torch.set_num_threads`` for the run (0: torch's default; 1 is steadier on a shared machine)."""
     quick: bool = False
     """A tiny run (T 128 and 300, B 2, 4/2 heads of 16) for tests."""
     out: Path | None = None
@@ -87,7 +90,7 @@ def _ms(result: dict[str, Any]) -> dict[str, float]:
 
 
 def _builds(b: int, t: int, opts: Options, seg: torch.Tensor, prefix: torch.Tensor) -> dict[str, Any]:
-    """Median ms of each kind's ``create_block_mask`` (and of the static cache's lookup)."""
+    """Median ms of each kind's ``create_block_mask``, of the static cache's lookup and of a dense mask."""
     masks = {
         "causal": flex.mask_of(b, t, t, causal=True),
         "window": flex.mask_of(b, t, t, causal=True, window=opts.window),
@@ -99,6 +102,7 @@ def _builds(b: int, t: int, opts: Options, seg: torch.Tensor, prefix: torch.Tens
         for name, m in masks.items()
     }
     steps["cached"] = lambda: flex.block_mask(masks["causal"], device=torch.device("cpu"))
+    steps["dense_document"] = lambda: flex.dense(masks["document"])  # the (B, T, T) mask SDPA falls back to
     got = timing.time_steps(steps, tokens_per_step=b * t, warmup=opts.warmup, rounds=opts.rounds)
     return {"ms": _ms(got), "per_batch": ["document", "prefix_rows"], "static": ["causal", "window"]}
 
@@ -129,6 +133,10 @@ def run(opts: Options) -> dict[str, Any]:
         raise ValueError("--seq-lens must be >= 2, --rounds and --docs >= 1, --warmup >= 0")
     if size["heads"] % size["kv_heads"]:
         raise ValueError(f"--heads {size['heads']} must be a multiple of --kv-heads {size['kv_heads']}")
+    if opts.threads < 0:
+        raise ValueError(f"--threads {opts.threads} must be >= 0 (0: torch's default)")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     shape = attrs.evolve(opts, **{k: v for k, v in size.items() if k != "seq_lens"})
     g = torch.Generator().manual_seed(0)
     b = shape.batch
@@ -143,6 +151,7 @@ def run(opts: Options) -> dict[str, Any]:
     return {
         "bench": "attention",
         "config": {**size, "window": opts.window, "docs": opts.docs, "compile": opts.compile, "dtype": "float32",
+                   "threads": torch.get_num_threads(),
                    "warmup": opts.warmup, "rounds": opts.rounds, "quick": opts.quick},  # fmt: skip
         "machine": timing.machine_info(),
         "results": results,

@@ -22,7 +22,7 @@ def test_quick_run_reports_mask_builds_and_forward_times(tmp_path, capsys):
     assert set(printed["results"]) == {"T=128", "T=300"}
     for t, r in printed["results"].items():
         builds = r["block_mask"]["ms"]
-        assert set(builds) == {"causal", "window", "document", "prefix_rows", "cached"}
+        assert set(builds) == {"causal", "window", "document", "prefix_rows", "cached", "dense_document"}
         assert all(ms > 0 for ms in builds.values())
         fwd = r["forward_ms"]
         assert set(fwd) == {"flex-causal", "sdpa-causal", "flex-document", "sdpa-document"}
