@@ -256,6 +256,7 @@ CHECKS = {
         "ep_compiled_grads_deepseek_v3", "deepseek_v3", EP2_DP2
     ),
     "ep2_dp_shard2_qwen3_moe_sync": lambda: _sync(grads_check, "ep2_dp_shard2_qwen3_moe_sync", "qwen3_moe", EP2_DP2),
+    "ep2_dp_shard2_qwen3_next": lambda: _qwen3_next("ep2_dp_shard2_qwen3_next", EP2_DP2),
     "ep2_dp_shard2_deepseek_v3_triton": lambda: _triton(
         grads_check, "ep2_dp_shard2_deepseek_v3_triton", "deepseek_v3", EP2_DP2
     ),
@@ -292,6 +293,14 @@ def _triton(check, name: str, *args, **kw) -> dict:
     finally:
         permute._Dispatch.apply = original
     return {**result, "permute_dispatch_calls": calls[0]}
+
+
+def _qwen3_next(name: str, degrees: dict[str, int]) -> dict:
+    """Qwen3-Next (Gated DeltaNet layers, its gated shared expert applied outside the MoE seam) under EP:
+    ``_checks_qwen3_next``'s gradient check on an ep layout."""
+    from _checks_qwen3_next import grads
+
+    return grads(name, "qwen3_next", True, degrees)
 
 
 def _sync(check, *args, **kw) -> dict:
