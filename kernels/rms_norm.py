@@ -88,6 +88,11 @@ def _block(d: int) -> int:
     return triton.next_power_of_2(max(d, 16))
 
 
+def _warps(block: int) -> int:
+    """Warps of a program holding a ``block``-wide row: more for wider rows (fewer registers per thread)."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _programs(x: torch.Tensor, rows: int) -> int:
     """Programs of the backward: a few per SM on CUDA (each keeps one float32 partial of ``dw``), few on CPU."""
     per = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
@@ -102,7 +107,7 @@ def _fwd_impl(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tenso
     x2, w = x.contiguous().view(-1, d), w.contiguous()
     y, rstd = torch.empty_like(x2), torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.shape[0] and d:
-        _fwd_kernel[(x2.shape[0],)](x2, w, y, rstd, d, eps, BLOCK_D=_block(d))
+        _fwd_kernel[(x2.shape[0],)](x2, w, y, rstd, d, eps, BLOCK_D=_block(d), num_warps=_warps(_block(d)))
     return y.view(x.shape), rstd
 
 
@@ -120,7 +125,7 @@ def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
         return dx.view(x.shape), torch.zeros_like(w)
     programs = _programs(x2, rows)
     parts = torch.empty(programs, d, dtype=torch.float32, device=x.device)
-    _bwd_kernel[(programs,)](dy2, x2, w, rstd, dx, parts, rows, d, BLOCK_D=_block(d))
+    _bwd_kernel[(programs,)](dy2, x2, w, rstd, dx, parts, rows, d, BLOCK_D=_block(d), num_warps=_warps(_block(d)))
     # the reference's dw is (dy * n) summed in x's dtype, then cast to w's dtype
     return dx.view(x.shape), parts.sum(0).to(x.dtype).to(w.dtype)
 

@@ -78,7 +78,10 @@ def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, T, HQ, HK, HALF
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  BACKWARD: tl.constexpr):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)  # b * T + t
-    row = token if PER_BATCH else token % T  # the token's row of cos/sin
+    if PER_BATCH:  # the token's row of cos/sin
+        row = token
+    else:
+        row = token % T
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     cmask = cols < HALF
     base = row * (2 * HALF) + cols
