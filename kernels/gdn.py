@@ -22,10 +22,14 @@ docstring has the algebra); the kernel computes the same terms per chunk of ``C`
 not depend on it beyond float32 rounding. Matmuls run in full fp32 (``input_precision="ieee"``: TF32
 would cost the triangular solve its accuracy). bf16/fp16/fp32 inputs; float64 runs the reference.
 
-The backward is **not** a Triton kernel: the backward op recomputes the reference
-(:func:`ftitan.nn.gdn.chunked_delta_rule`) and takes its vector-Jacobian product (``torch.autograd.grad``
-in eager inside the op), so the gradients are the reference's exactly; it costs a reference forward and
-backward on the GPU.
+The backward is Triton too: the backward op reruns the forward kernel keeping each chunk's entering
+state (``(B*Hv, chunks, Dk, Dv)`` fp32 in memory), then one program per (batch, value head) walks the
+chunks in reverse with ``dS`` in registers, recomputes the chunk's terms and takes the chain rule back
+through them: the outputs and the carried state, the triangular solve (``d(I + A)^{-1}`` gives
+``dA = -(I + A)^{-T} d(I + A)^{-1} (I + A)^{-T}``), the decays (their exponents' gradients, then the
+reverse cumulative sum to ``dg``) and the L2 normalizations. Grouped heads sum ``dq``/``dk`` over the
+value heads of a key head in torch. It holds all ``Dv`` columns of ``dS`` per program (``dk`` sums over
+them), unlike the forward's blocks of 64.
 """
 
 from __future__ import annotations
@@ -65,11 +69,37 @@ def _unit_lower_inverse(a, BC: tl.constexpr):
 
 
 @triton.jit
+def _gates(g, t, t0, T, seg_ptr, BC: tl.constexpr, HAS_SEG: tl.constexpr):
+    """A chunk's decay terms from its log decays ``g`` (BC,): ``exp(c_i - c_j)`` for ``j <= i`` (BC, BC),
+    ``exp(c)`` (reads of the entering state), ``exp(c_last - c)`` (writes carried to the chunk's end) and
+    ``exp(c_last)`` (the entering state carried through), with ``c = cumsum(g)``; with packed documents
+    (``seg_ptr``: this row's ids) the reference's masks: no term across a document boundary."""
+    rows = tl.arange(0, BC)
+    c = tl.cumsum(g, 0)  # (BC,) log decay from the chunk's start through each token
+    c_last = tl.sum(tl.where(rows == BC - 1, c, 0.0), 0)  # padded tokens have g = 0
+    diff = tl.where(rows[:, None] >= rows[None, :], c[:, None] - c[None, :], float("-inf"))  # no overflow
+    decay = tl.exp(diff)
+    enter = tl.exp(c)
+    leave = tl.exp(c_last - c)
+    carry = tl.exp(c_last)
+    if HAS_SEG:  # padded tokens belong to the last document (index clamped), as in the reference
+        seg = tl.load(seg_ptr + tl.minimum(t, T - 1))
+        before = tl.load(seg_ptr + tl.maximum(t0 - 1, 0))
+        seg_last = tl.sum(tl.where(rows == BC - 1, seg, 0), 0)
+        decay = tl.where(seg[:, None] == seg[None, :], decay, 0.0)
+        enter = tl.where(seg == before, enter, 0.0)
+        leave = tl.where(seg == seg_last, leave, 0.0)
+        carry = tl.where(seg_last == before, carry, 0.0)
+    return decay, enter, leave, carry
+
+
+@triton.jit
 def _gdn_chunk_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, seg_ptr, o_ptr, sn_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s0_ptr, seg_ptr, o_ptr, sn_ptr, states_ptr,
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, sseg_b,
-    T, HV, REP, DK, DV, scale,
+    T, HV, REP, DK, DV, scale, NC,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, HAS_SEG: tl.constexpr,
+    STORE_STATES: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)  # one (batch, value head)
     b, h = pid // HV, pid % HV
@@ -80,7 +110,6 @@ def _gdn_chunk_fwd_kernel(
     s = tl.zeros((BK, BV), dtype=tl.float32)
     if HAS_S0:
         s = tl.load(s0_ptr + state_off, mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    lower = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     for t0 in range(0, T, BC):
         t = t0 + rows
@@ -95,21 +124,10 @@ def _gdn_chunk_fwd_kernel(
         beta = tl.load(beta_ptr + b * sb_b + t * sb_t + h * sb_h, mask=mt, other=0.0).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale  # nn.gdn.l2_normalize, then Dk ** -0.5
         k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-        c = tl.cumsum(g, 0)  # (BC,) log decay from the chunk's start through each token
-        c_last = tl.sum(tl.where(rows == BC - 1, c, 0.0), 0)  # padded tokens have g = 0
-        diff = tl.where(lower, c[:, None] - c[None, :], float("-inf"))  # masked before exp: no overflow
-        decay = tl.exp(diff)
-        enter = tl.exp(c)
-        leave = tl.exp(c_last - c)
-        carry = tl.exp(c_last)
-        if HAS_SEG:  # padded tokens belong to the last document (index clamped), as in the reference
-            seg = tl.load(seg_ptr + b * sseg_b + tl.minimum(t, T - 1))
-            before = tl.load(seg_ptr + b * sseg_b + tl.maximum(t0 - 1, 0))
-            seg_last = tl.sum(tl.where(rows == BC - 1, seg, 0), 0)
-            decay = tl.where(seg[:, None] == seg[None, :], decay, 0.0)
-            enter = tl.where(seg == before, enter, 0.0)
-            leave = tl.where(seg == seg_last, leave, 0.0)
-            carry = tl.where(seg_last == before, carry, 0.0)
+        decay, enter, leave, carry = _gates(g, t, t0, T, seg_ptr + b * sseg_b, BC, HAS_SEG)
+        if STORE_STATES:  # the state entering each chunk (the backward's recomputation)
+            tl.store(states_ptr + (pid * NC + t0 // BC) * DK * DV + ck[:, None] * DV + cv[None, :], s,
+                     mask=mk[:, None] & mv[None, :])  # fmt: skip
         kb = k * beta[:, None]
         a = tl.where(strict, tl.dot(kb, tl.trans(k), input_precision="ieee") * decay, 0.0)
         inv = _unit_lower_inverse(a, BC)
@@ -124,6 +142,95 @@ def _gdn_chunk_fwd_kernel(
     tl.store(sn_ptr + state_off, s, mask=mk[:, None] & mv[None, :])
 
 
+@triton.jit
+def _dot(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _gdn_chunk_bwd_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seg_ptr, states_ptr, do_ptr, dsn_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, ds0_ptr,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h, sseg_b,
+    T, HV, REP, DK, DV, scale, NC,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_SEG: tl.constexpr,
+):  # fmt: skip
+    """One (batch, value head), chunks in reverse: recompute the chunk's forward terms from its entering
+    state, then the chain rule back through them (module docstring's names; ``d`` = gradient)."""
+    pid = tl.program_id(0)
+    b, h = pid // HV, pid % HV
+    hk = h // REP
+    rows, ck, cv = tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    mk, mv = ck < DK, cv < DV
+    mkv = mk[:, None] & mv[None, :]
+    state_off = ck[:, None] * DV + cv[None, :]
+    strict = rows[:, None] > rows[None, :]
+    ds = tl.load(dsn_ptr + pid * DK * DV + state_off, mask=mkv, other=0.0)  # d(state leaving the chunk)
+    for j in range(0, NC):
+        t0 = (NC - 1 - j) * BC
+        t = t0 + rows
+        mt = t < T
+        mtk, mtv = mt[:, None] & mk[None, :], mt[:, None] & mv[None, :]
+        q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + hk * sq_h + ck[None, :], mask=mtk, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * sk_b + t[:, None] * sk_t + hk * sk_h + ck[None, :], mask=mtk, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + b * sv_b + t[:, None] * sv_t + h * sv_h + cv[None, :], mask=mtv, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + b * sg_b + t * sg_t + h * sg_h, mask=mt, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + b * sb_b + t * sb_t + h * sb_h, mask=mt, other=0.0).to(tl.float32)
+        rq, rk = tl.rsqrt(tl.sum(q * q, 1) + 1e-6), tl.rsqrt(tl.sum(k * k, 1) + 1e-6)
+        qn, kh = q * rq[:, None], k * rk[:, None]
+        qh = qn * scale
+        decay, enter, leave, carry = _gates(g, t, t0, T, seg_ptr + b * sseg_b, BC, HAS_SEG)
+        s = tl.load(states_ptr + (pid * NC + t0 // BC) * DK * DV + state_off, mask=mkv, other=0.0)
+        do = tl.load(do_ptr + ((b * T + t[:, None]) * HV + h) * DV + cv[None, :], mask=mtv, other=0.0).to(tl.float32)
+        # forward terms
+        kb = kh * beta[:, None]
+        kk = _dot(kb, tl.trans(kh))
+        inv = _unit_lower_inverse(tl.where(strict, kk * decay, 0.0), BC)
+        bv, bk = v * beta[:, None], kb * enter[:, None]
+        w = _dot(inv, bk)
+        u = _dot(inv, bv) - _dot(w, s)
+        qk = _dot(qh, tl.trans(kh))
+        p = qk * decay
+        qe, kl = qh * enter[:, None], kh * leave[:, None]
+        # o = qe s + p u ; s' = carry s + kl^T u ; u = inv bv - inv bk s
+        du = _dot(tl.trans(p), do) + _dot(kl, ds)
+        ds_prev = carry * ds + _dot(tl.trans(qe), do) - _dot(tl.trans(w), du)
+        dqe = _dot(do, tl.trans(s))
+        dp = _dot(do, tl.trans(u))
+        dkl = _dot(u, tl.trans(ds))
+        dcarry = tl.sum(tl.sum(ds * s, 1), 0)
+        dw = -_dot(du, tl.trans(s))
+        dinv = _dot(du, tl.trans(bv)) + _dot(dw, tl.trans(bk))
+        dbv, dbk = _dot(tl.trans(inv), du), _dot(tl.trans(inv), dw)
+        da = tl.where(strict, -_dot(_dot(tl.trans(inv), dinv), tl.trans(inv)), 0.0)  # d(I + A)^-1 -> dA
+        m = da * decay
+        dkb = _dot(m, kh)
+        dkh = _dot(tl.trans(m), kb)
+        nn = dp * decay
+        dqh = _dot(nn, kh) + dqe * enter[:, None]
+        dkh += _dot(tl.trans(nn), qh) + dbk * (beta * enter)[:, None] + dkb * beta[:, None] + dkl * leave[:, None]
+        dd = (da * kk + dp * qk) * decay  # d decay, times decay: the exponent's gradient
+        tbk = tl.sum(dbk * kh, 1)
+        de = tl.sum(dqe * qh, 1) + tbk * beta
+        dbeta = tbk * enter + tl.sum(dbv * v, 1) + tl.sum(dkb * kh, 1)
+        dl = tl.sum(dkl * kh, 1)
+        dc = tl.sum(dd, 1) - tl.sum(dd, 0) + de * enter - dl * leave
+        dc += tl.where(rows == BC - 1, tl.sum(dl * leave, 0) + dcarry * carry, 0.0)  # through c_last
+        dg = tl.sum(tl.where(rows[None, :] >= rows[:, None], dc[None, :], 0.0), 1)  # c = cumsum(g)
+        dqn = dqh * scale
+        dq = rq[:, None] * (dqn - qn * tl.sum(qn * dqn, 1)[:, None])  # through the L2 normalizations
+        dk = rk[:, None] * (dkh - kh * tl.sum(kh * dkh, 1)[:, None])
+        out_k = ((b * T + t[:, None]) * HV + h) * DK + ck[None, :]
+        tl.store(dq_ptr + out_k, dq, mask=mtk)
+        tl.store(dk_ptr + out_k, dk, mask=mtk)
+        tl.store(dv_ptr + ((b * T + t[:, None]) * HV + h) * DV + cv[None, :], (dbv * beta[:, None]).to(
+            dv_ptr.dtype.element_ty), mask=mtv)  # fmt: skip
+        tl.store(dg_ptr + (b * T + t) * HV + h, dg, mask=mt)
+        tl.store(dbeta_ptr + (b * T + t) * HV + h, dbeta, mask=mt)
+        ds = ds_prev
+    tl.store(ds0_ptr + pid * DK * DV + state_off, ds, mask=mkv)
+
+
 def _tile(n: int) -> int:
     """A register tile's side for ``n``: a power of two >= 16 (``tl.dot``'s smallest)."""
     return max(16, triton.next_power_of_2(n))
@@ -134,7 +241,8 @@ def _last_unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              state: torch.Tensor | None, segments: torch.Tensor | None, chunk: int
+              state: torch.Tensor | None, segments: torch.Tensor | None, chunk: int,
+              states: torch.Tensor | None = None,  # (B * Hv, chunks, Dk, Dv) fp32: filled with the entering states
               ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     q, k, v, g, beta = (_last_unit(x) for x in (q, k, v, g, beta))
     bsz, t, hk, dk = k.shape
@@ -143,12 +251,14 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     final = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=v.device)
     s0 = None if state is None else state.to(torch.float32).contiguous()
     seg = None if segments is None else segments.to(torch.int32).contiguous()
-    bv = min(_tile(dv), _BLOCK_V)
+    bc, bv = _tile(chunk), min(_tile(dv), _BLOCK_V)
     _gdn_chunk_fwd_kernel[(bsz * hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, final if s0 is None else s0, o if seg is None else seg, o, final,
+        final if states is None else states,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
-        0 if seg is None else seg.stride(0), t, hv, hv // hk, dk, dv, dk**-0.5,
-        BC=_tile(chunk), BK=_tile(dk), BV=bv, HAS_S0=s0 is not None, HAS_SEG=seg is not None,
+        0 if seg is None else seg.stride(0), t, hv, hv // hk, dk, dv, dk**-0.5, triton.cdiv(t, bc),
+        BC=bc, BK=_tile(dk), BV=bv, HAS_S0=s0 is not None, HAS_SEG=seg is not None,
+        STORE_STATES=states is not None,
     )  # fmt: skip
     return o, final
 
@@ -157,32 +267,33 @@ def _fwd_fake(q, k, v, g, beta, state, segments, chunk):  # type: ignore[no-unty
     return v.new_empty(v.shape), v.new_empty(v.shape[0], v.shape[2], k.shape[3], v.shape[3], dtype=torch.float32)
 
 
-_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
-    "AutogradOther", "AutogradFunctionality", "ADInplaceOrView", "AutogradCPU", "AutogradCUDA", "AutogradNestedTensor"))  # fmt: skip
-
-
-def _autograd_on() -> Any:
-    """A guard that turns autograd back on inside an op's implementation: called below autograd from a
-    dispatch mode (aot_autograd's runtime wraps compiled graphs in one) the autograd keys are excluded
-    from the thread's dispatch, and ``enable_grad`` alone would record nothing."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in _AUTOGRAD_KEYS:
-        exclude = exclude.remove(key)
-    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
-
-
 def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor | None, segments: torch.Tensor | None, do: torch.Tensor, ds: torch.Tensor,
               chunk: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The reference's vector-Jacobian product (recomputed in eager: no Triton backward yet)."""
-    with _autograd_on(), torch.enable_grad():
-        xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-        s0 = None if state is None else state.detach().requires_grad_()
-        o, s = chunk_delta_rule_reference(*xs, s0, chunk=chunk, segments=segments)
-        wrt = xs if s0 is None else [*xs, s0]
-        grads = torch.autograd.grad((o, s), wrt, (do, ds), allow_unused=True, materialize_grads=True)
-    ds0 = torch.zeros(0, device=q.device) if s0 is None else grads[5]  # an empty tensor: no initial state
-    return (*grads[:5], ds0)
+    """The forward kernel again, keeping each chunk's entering state, then the backward kernel."""
+    q, k, v, g, beta = (_last_unit(x) for x in (q, k, v, g, beta))
+    bsz, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    bc = _tile(chunk)
+    nc = triton.cdiv(t, bc)
+    states = torch.empty(bsz * hv, nc, dk, dv, dtype=torch.float32, device=v.device)
+    _fwd_impl(q, k, v, g, beta, state, segments, chunk, states)
+    seg = None if segments is None else segments.to(torch.int32).contiguous()
+    dq, dk_ = (torch.empty(bsz, t, hv, dk, dtype=torch.float32, device=q.device) for _ in range(2))
+    dv_ = torch.empty(bsz, t, hv, dv, dtype=v.dtype, device=v.device)
+    dg, dbeta = (torch.empty(bsz, t, hv, dtype=torch.float32, device=q.device) for _ in range(2))
+    ds0 = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=q.device)
+    _gdn_chunk_bwd_kernel[(bsz * hv,)](
+        q, k, v, g, beta, dq if seg is None else seg, states, do.contiguous(), ds.to(torch.float32).contiguous(),
+        dq, dk_, dv_, dg, dbeta, ds0,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
+        0 if seg is None else seg.stride(0), t, hv, hv // hk, dk, dv, dk**-0.5, nc,
+        BC=bc, BK=_tile(dk), BV=_tile(dv), HAS_SEG=seg is not None,
+    )  # fmt: skip
+    rep = hv // hk  # a key head's gradient sums over the value heads it serves
+    dq, dk_ = (x.view(bsz, t, hk, rep, dk).sum(3).to(q.dtype) for x in (dq, dk_))
+    ds0 = torch.zeros(0, device=q.device) if state is None else ds0.to(state.dtype)  # empty: no initial state
+    return dq, dk_, dv_, dg.to(g.dtype), dbeta.to(beta.dtype), ds0
 
 
 def _bwd_fake(q, k, v, g, beta, state, segments, do, ds, chunk):  # type: ignore[no-untyped-def]
