@@ -188,3 +188,17 @@ def test_deepseek_v4_layer_loop_applies_remat():
     assert_identical(grads, ref)
     loss_fn, plain_fn = ft.train.next_token_loss(model), ft.train.next_token_loss(plain)
     assert saved_bytes(loss_fn, params, b) < 0.2 * saved_bytes(plain_fn, params, b)
+
+
+def test_compiled_torch_func_step_of_a_remat_model_steps_aside():
+    """torch.func.grad_and_value compiled (aot_eager, fullgraph) over a remat model: the transform is active
+    while dynamo traces, so remat steps aside there too and the gradients are the plain ones."""
+    cfg, plain = tiny("llama")
+    model = llama.model(config.with_remat("full")(cfg))
+    params, b = plain.init(ft.random.key(0)), batch()
+    torch._dynamo.reset()
+    fn = torch.compile(value_and_grad(ft.train.next_token_loss(model), impl="func"), backend="aot_eager",
+                       fullgraph=True)  # fmt: skip
+    grads, _ = fn(params, b)
+    for x, y in zip(T.leaves(grads), T.leaves(grads_of(plain, params, b, "func")[0]), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
