@@ -28,8 +28,8 @@ chunks in reverse with ``dS`` in registers, recomputes the chunk's terms and tak
 through them: the outputs and the carried state, the triangular solve (``d(I + A)^{-1}`` gives
 ``dA = -(I + A)^{-T} d(I + A)^{-1} (I + A)^{-T}``), the decays (their exponents' gradients, then the
 reverse cumulative sum to ``dg``) and the L2 normalizations. Grouped heads sum ``dq``/``dk`` over the
-value heads of a key head in torch. It holds all ``Dv`` columns of ``dS`` per program (``dk`` sums over
-them), unlike the forward's blocks of 64.
+value heads of a key head in torch. Value blocks split the backward as they split the forward; each
+block's parts of ``dq``, ``dk``, ``dg`` and ``dbeta`` are summed in torch.
 """
 
 from __future__ import annotations
@@ -155,12 +155,13 @@ def _gdn_chunk_bwd_kernel(
     T, HV, REP, DK, DV, scale, NC,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_SEG: tl.constexpr,
 ):  # fmt: skip
-    """One (batch, value head), chunks in reverse: recompute the chunk's forward terms from its entering
-    state, then the chain rule back through them (module docstring's names; ``d`` = gradient)."""
-    pid = tl.program_id(0)
+    """One (batch, value head, block of value dims), chunks in reverse: recompute the chunk's forward terms
+    from its entering state, then the chain rule back through them (module docstring's names; ``d`` =
+    gradient). ``dq``, ``dk``, ``dg``, ``dbeta`` are this block's parts (summed over blocks in torch)."""
+    pid, vb = tl.program_id(0), tl.program_id(1)
     b, h = pid // HV, pid % HV
     hk = h // REP
-    rows, ck, cv = tl.arange(0, BC), tl.arange(0, BK), tl.arange(0, BV)
+    rows, ck, cv = tl.arange(0, BC), tl.arange(0, BK), vb * BV + tl.arange(0, BV)
     mk, mv = ck < DK, cv < DV
     mkv = mk[:, None] & mv[None, :]
     state_off = ck[:, None] * DV + cv[None, :]
@@ -220,13 +221,14 @@ def _gdn_chunk_bwd_kernel(
         dqn = dqh * scale
         dq = rq[:, None] * (dqn - qn * tl.sum(qn * dqn, 1)[:, None])  # through the L2 normalizations
         dk = rk[:, None] * (dkh - kh * tl.sum(kh * dkh, 1)[:, None])
-        out_k = ((b * T + t[:, None]) * HV + h) * DK + ck[None, :]
+        part = vb * (T * HV)  # this value block's slice of the partial sums
+        out_k = ((part + b * T + t[:, None]) * HV + h) * DK + ck[None, :]
         tl.store(dq_ptr + out_k, dq, mask=mtk)
         tl.store(dk_ptr + out_k, dk, mask=mtk)
         tl.store(dv_ptr + ((b * T + t[:, None]) * HV + h) * DV + cv[None, :], (dbv * beta[:, None]).to(
             dv_ptr.dtype.element_ty), mask=mtv)  # fmt: skip
-        tl.store(dg_ptr + (b * T + t) * HV + h, dg, mask=mt)
-        tl.store(dbeta_ptr + (b * T + t) * HV + h, dbeta, mask=mt)
+        tl.store(dg_ptr + (part + b * T + t) * HV + h, dg, mask=mt)
+        tl.store(dbeta_ptr + (part + b * T + t) * HV + h, dbeta, mask=mt)
         ds = ds_prev
     tl.store(ds0_ptr + pid * DK * DV + state_off, ds, mask=mkv)
 
@@ -279,19 +281,22 @@ def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     states = torch.empty(bsz * hv, nc, dk, dv, dtype=torch.float32, device=v.device)
     _fwd_impl(q, k, v, g, beta, state, segments, chunk, states)
     seg = None if segments is None else segments.to(torch.int32).contiguous()
-    dq, dk_ = (torch.empty(bsz, t, hv, dk, dtype=torch.float32, device=q.device) for _ in range(2))
+    bv = min(_tile(dv), _BLOCK_V)
+    nv = triton.cdiv(dv, bv)  # value blocks: each gives a part of dq, dk, dg, dbeta
+    dq, dk_ = (torch.empty(nv, bsz, t, hv, dk, dtype=torch.float32, device=q.device) for _ in range(2))
     dv_ = torch.empty(bsz, t, hv, dv, dtype=v.dtype, device=v.device)
-    dg, dbeta = (torch.empty(bsz, t, hv, dtype=torch.float32, device=q.device) for _ in range(2))
+    dg, dbeta = (torch.empty(nv, bsz, t, hv, dtype=torch.float32, device=q.device) for _ in range(2))
     ds0 = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=q.device)
-    _gdn_chunk_bwd_kernel[(bsz * hv,)](
+    _gdn_chunk_bwd_kernel[(bsz * hv, nv)](
         q, k, v, g, beta, dq if seg is None else seg, states, do.contiguous(), ds.to(torch.float32).contiguous(),
         dq, dk_, dv_, dg, dbeta, ds0,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *g.stride(), *beta.stride(),
         0 if seg is None else seg.stride(0), t, hv, hv // hk, dk, dv, dk**-0.5, nc,
-        BC=bc, BK=_tile(dk), BV=_tile(dv), HAS_SEG=seg is not None,
+        BC=bc, BK=_tile(dk), BV=bv, HAS_SEG=seg is not None,
     )  # fmt: skip
     rep = hv // hk  # a key head's gradient sums over the value heads it serves
-    dq, dk_ = (x.view(bsz, t, hk, rep, dk).sum(3).to(q.dtype) for x in (dq, dk_))
+    dq, dk_ = (x.sum(0).view(bsz, t, hk, rep, dk).sum(3).to(q.dtype) for x in (dq, dk_))
+    dg, dbeta = dg.sum(0), dbeta.sum(0)
     ds0 = torch.zeros(0, device=q.device) if state is None else ds0.to(state.dtype)  # empty: no initial state
     return dq, dk_, dv_, dg.to(g.dtype), dbeta.to(beta.dtype), ds0
 

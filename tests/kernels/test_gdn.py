@@ -86,6 +86,13 @@ def test_value_blocks_split_the_state_columns(monkeypatch):
     ro, rs = gdn.recurrent_delta_rule(q, k, v, decay, beta, state, segments=segments)
     torch.testing.assert_close(o, ro, **TOL)
     torch.testing.assert_close(s, rs, **TOL)
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, decay, beta, state)]
+    with op.interpret():
+        o, s = kg.chunk_delta_rule(*inputs, chunk=CHUNK, segments=segments)
+        got = torch.autograd.grad(o.square().sum() + s.sum(), inputs)
+    o, s = kg.chunk_delta_rule_reference(*inputs, chunk=CHUNK, segments=segments)
+    for a, b in zip(got, torch.autograd.grad(o.square().sum() + s.sum(), inputs), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 def test_kernel_chunk_does_not_change_the_result():
