@@ -150,3 +150,19 @@ def test_generation_with_triton_kernels_equals_the_torch_model(monkeypatch):
     want_tokens, want_logprobs = ft.infer.generate(torch_model, params, prompts, max_new_tokens=4, logprobs=True)
     assert tokens == want_tokens
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), **F32)
+
+
+def test_mtp_loss_and_gradients_with_triton_kernels(monkeypatch):
+    """DeepSeek-V3 with an MTP module: its norms (enorm, hnorm, block, final) reach the kernel too, and the
+    loss (main + MTP) and gradients equal the torch model's."""
+    cfg = tiny_config("deepseek_v3", n_mtp_layers=1)
+    torch_model = family("deepseek_v3").model(cfg)
+    triton_model = family("deepseek_v3").model(attrs.evolve(cfg, kernels="triton"))
+    params, batch = torch_model.init(ft.random.key(0)), _batch()
+    norm = Spy(monkeypatch, k_norm, ("_fwd_op",))
+    with op.interpret():
+        grads, (loss, aux) = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")(params, batch)
+    # main: 2 block norms + 2 MLA latent norms per layer, the final norm; MTP: enorm, hnorm, 4 in its block, norm
+    assert norm.total() == 4 * SHRINK["n_layers"] + 1 + 7 and "mtp.ce_loss" in aux
+    want_grads, (want_loss, _) = ft.train.value_and_grad(ft.train.next_token_loss(torch_model))(params, batch)
+    torch.testing.assert_close((loss, grads), (want_loss, want_grads), **F32)
