@@ -282,3 +282,25 @@ def test_kv_cache_prefill_and_decode_with_flex_equal_the_full_forward():
         for i, s in enumerate(seqs):  # each row alone, no padding, no cache
             full, _ = model.apply(params, torch.tensor([s]))
             torch.testing.assert_close(torch.stack(got[i]), full[0, len(prompts[i]) - 1 :], atol=2e-5, rtol=2e-5)
+
+
+def _families_with_attn_impl():
+    from ftitan.models import hf
+
+    heavy = {"deepseek_v3", "qwen3_next", "qwen3_moe"}  # ~10 s each here: MoE / linear-attention debug models
+    return [pytest.param(f, id=f.name, marks=[pytest.mark.slow] if f.name in heavy else [])
+            for f in hf.families() if "attn_impl" in attrs.fields_dict(f.config_type)]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", _families_with_attn_impl())
+def test_every_family_with_attn_impl_runs_flex(family):
+    # each family's debug model (MLA's narrower values, Qwen3-Next's gated attention among linear layers, MoE)
+    # accepts attn_impl="flex" and "auto" and gives sdpa's logits (no_grad: FlexAttention itself runs)
+    cfg = family.config_type.debug()
+    params = family.model(cfg).init(random.key(0))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, _ = family.model(attrs.evolve(cfg, attn_impl="sdpa")).apply(params, tokens)
+        for impl in ("flex", "auto"):
+            got, _ = family.model(attrs.evolve(cfg, attn_impl=impl)).apply(params, tokens)
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=impl)
