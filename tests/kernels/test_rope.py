@@ -58,6 +58,20 @@ def test_q_and_k_in_one_launch_match_the_reference(hq, hk, dh, per_row, dtype, t
     torch.testing.assert_close((y, dq, dk), (ry, rdq, rdk), **tol)
 
 
+@pytest.mark.parametrize("sliced", [False, True])
+def test_one_tensor_values_and_gradients(sliced, monkeypatch):
+    """``apply_rope`` of one tensor (MLA's rope dims, Qwen3-Next's partial RoPE: a strided slice of the heads)."""
+    q, _, cos, sin = _case(dh=12)
+    x = torch.cat([q, q[..., :4]], dim=-1)[..., :12] if sliced else q  # sliced: not contiguous
+    cot = torch.randn(q.shape)
+    spy = Spy(monkeypatch, K, ("_rope_op",))
+    with op.interpret():
+        y, (dx,) = value_and_grads(lambda x: K.apply_rope(x, cos, sin), (x,), cot)
+    assert spy.total() == 2
+    ry, (rdx,) = value_and_grads(lambda x: K.apply_rope_reference(x, cos, sin), (x,), cot)
+    torch.testing.assert_close((y, dx), (ry, rdx), **F32)
+
+
 def test_nn_apply_rope_dispatches_to_the_kernel(monkeypatch):
     q, _, _, _ = _case(t=6)
     cos, sin = nn.rope_frequencies(12, 32, 10_000.0)  # a table, indexed by positions
