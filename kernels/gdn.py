@@ -302,7 +302,7 @@ def _bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 def _bwd_fake(q, k, v, g, beta, state, segments, do, ds, chunk):  # type: ignore[no-untyped-def]
-    ds0 = q.new_empty(0) if state is None else state.new_empty(state.shape)
+    ds0 = q.new_empty(0, dtype=torch.float32) if state is None else state.new_empty(state.shape)
     return (*(x.new_empty(x.shape) for x in (q, k, v, g, beta)), ds0)
 
 

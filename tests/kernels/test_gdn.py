@@ -161,17 +161,17 @@ def test_bf16_matches_the_reference_within_output_rounding():
     torch.testing.assert_close(s, rs, **TOL)  # the state stays fp32 (inputs identical after rounding)
 
 
-def test_compiled_gradients_with_autograd_grad_inside(monkeypatch):
+@pytest.mark.parametrize("initial", [True, False])
+def test_compiled_gradients_with_autograd_grad_inside(initial, monkeypatch):
     (q, k, v, decay, beta), state = _case(t=21, seed=6)
     segments = torch.tensor([[0] * 9 + [1] * 12, [2] * 21])
 
     def grads(fn, q, k, v, decay, beta, state):
         xs = [x.detach().requires_grad_() for x in (q, k, v, decay, beta, state)]
-        o, s = fn(*xs, chunk=CHUNK, segments=segments)
-        return torch.autograd.grad(o.square().sum() + s.sum(), xs)
+        o, s = fn(*xs[:5], xs[5] if initial else None, chunk=CHUNK, segments=segments)
+        return torch.autograd.grad(o.square().sum() + s.sum(), xs[:6] if initial else xs[:5])
 
     want = grads(kg.chunk_delta_rule_reference, q, k, v, decay, beta, state)
-    monkeypatch.setattr(torch._dynamo.config, "trace_autograd_ops", True)
     graphs = []
 
     def backend(gm, example_inputs):  # aot_eager, recording the code dynamo captured (submodules included)
@@ -179,10 +179,15 @@ def test_compiled_gradients_with_autograd_grad_inside(monkeypatch):
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
     torch._dynamo.reset()
-    with op.interpret():
-        got = torch.compile(lambda *a: grads(kg.chunk_delta_rule, *a), fullgraph=True, backend=backend)(
-            q, k, v, decay, beta, state
-        )
+    # set and restored, not monkeypatched: undoing a monkeypatch of a dynamo config deletes the flag
+    before, torch._dynamo.config.trace_autograd_ops = torch._dynamo.config.trace_autograd_ops, True
+    try:
+        with op.interpret():
+            got = torch.compile(lambda *a: grads(kg.chunk_delta_rule, *a), fullgraph=True, backend=backend)(
+                q, k, v, decay, beta, state
+            )
+    finally:
+        torch._dynamo.config.trace_autograd_ops = before
     code = "".join(graphs)  # traced through the forward and backward ops, not the reference
     assert "ftitan_kernels.gdn_chunk_fwd" in code and "ftitan_kernels.gdn_chunk_bwd" in code
     for a, b in zip(got, want, strict=True):

@@ -98,7 +98,6 @@ def test_compiled_gradients_with_autograd_grad_inside(monkeypatch):
         return torch.autograd.grad(fn(xs, ws, EPS).square().sum(), (xs, ws))
 
     want = grads(hr.rms_norm_reference, x, w)
-    monkeypatch.setattr(torch._dynamo.config, "trace_autograd_ops", True)
     graphs = []
 
     def backend(gm, example_inputs):  # aot_eager, recording the code dynamo captured (submodules included)
@@ -106,8 +105,13 @@ def test_compiled_gradients_with_autograd_grad_inside(monkeypatch):
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
     torch._dynamo.reset()
-    with op.interpret():
-        got = torch.compile(lambda x, w: grads(hr.rms_norm, x, w), fullgraph=True, backend=backend)(x, w)
+    # set and restored, not monkeypatched: undoing a monkeypatch of a dynamo config deletes the flag
+    before, torch._dynamo.config.trace_autograd_ops = torch._dynamo.config.trace_autograd_ops, True
+    try:
+        with op.interpret():
+            got = torch.compile(lambda x, w: grads(hr.rms_norm, x, w), fullgraph=True, backend=backend)(x, w)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = before
     code = "".join(graphs)
     assert "ftitan_kernels.helion_rms_norm_fwd" in code and "ftitan_kernels.helion_rms_norm_bwd" in code
     for a, b in zip(got, want, strict=True):
