@@ -12,7 +12,7 @@ import attrs
 import pytest
 import torch
 
-from ftitan import random
+from ftitan import random, tree
 from ftitan.kernels import gdn as kg
 from ftitan.kernels import op
 from ftitan.models import qwen3_next
@@ -245,3 +245,25 @@ def test_qwen3_next_with_triton_kernels_equals_torch(monkeypatch):
         got, _ = qwen3_next.model(attrs.evolve(cfg, kernels="triton")).apply(params, tokens, segments=segments)
     assert spy.fwd == 1  # one Gated DeltaNet layer
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_qwen3_next_gradients_with_triton_kernels_equal_torch(monkeypatch):
+    cfg = qwen3_next.Config(
+        vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=48, linear_k_heads=1,
+        linear_v_heads=2, linear_k_dim=16, linear_v_dim=8, max_seq_len=64, chunk=16,
+    )  # fmt: skip
+    params = qwen3_next.model(cfg).init(random.key(1))
+    tokens = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(1))
+
+    def grads(c):
+        ps = tree.map(lambda x: x.detach().requires_grad_(), params)
+        logits, _ = qwen3_next.model(c).apply(ps, tokens)
+        return torch.autograd.grad(logits.square().mean(), tree.leaves(ps))
+
+    want = grads(cfg)
+    spy = _Spy(monkeypatch)
+    with op.interpret():
+        got = grads(attrs.evolve(cfg, kernels="triton"))
+    assert (spy.fwd, spy.bwd) == (1, 1)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
