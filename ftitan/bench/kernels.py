@@ -172,6 +172,22 @@ def _peers(case: Case, args: tuple[Any, ...], wrt: tuple[int, ...], compiled: bo
     return peers
 
 
+def _errors(case: Case, args: tuple[Any, ...], wrt: tuple[int, ...]) -> dict[str, float]:
+    """Largest absolute difference, kernel vs reference, of the output and of each input's gradient (same
+    inputs, same cotangent): the check that the kernel is right on this device at these shapes."""
+    def run(fn: Callable[..., Any]) -> list[torch.Tensor]:
+        out = fn(*args)
+        if not wrt:
+            return [out]
+        dy = torch.randn(out.shape, generator=torch.Generator(device=out.device).manual_seed(2), device=out.device)
+        return [out, *torch.autograd.grad(out, [args[i] for i in wrt], dy.to(out.dtype))]
+
+    got, want = run(case.kernel), run(case.reference)
+    names = ["out", *(f"grad[{i}]" for i in wrt)]
+    return {n: (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+            for n, a, b in zip(names, got, want, strict=True)}  # fmt: skip
+
+
 def _ratios(results: dict[str, Any]) -> dict[str, float]:
     out = {}
     for key, r in results.items():
@@ -203,12 +219,14 @@ def run(opts: Options) -> dict[str, Any]:
             peers = _peers(case, args, wrt, opts.compiled_reference and device.type == "cuda")
             measured = timing.time_steps(peers, tokens_per_step=case.rows(args), warmup=opts.warmup,
                                          rounds=opts.rounds)  # fmt: skip
-            out[name] = {"results": measured["results"], "ratios": _ratios(measured["results"])}
+            out[name] = {"results": measured["results"], "ratios": _ratios(measured["results"]),
+                         "errors": _errors(case, args, wrt)}
     return {
         "bench": "kernels",
         "config": {"device": str(device), "quick": opts.quick, "kernels": list(names)},
         "machine": timing.machine_info(),
         "results": {n: r["results"] for n, r in out.items()},
+        "errors": {n: r["errors"] for n, r in out.items()},  # kernel vs reference, max |diff|
         "ratios": {f"{n}: {k}": v for n, r in out.items() for k, v in r["ratios"].items()},
         "goals": {},
         "met": None,

@@ -1,5 +1,5 @@
 """``ftitan bench kernels --quick``: every kernel case runs (Triton interpreter on the CPU) and the JSON has a
-reference/kernel ratio for each mode; times are not judged (the interpreter's mean nothing)."""
+reference/kernel ratio for each mode and the kernels' outputs and gradients agree with the references; times are not judged (the interpreter's mean nothing)."""
 
 import json
 
@@ -19,4 +19,6 @@ def test_quick_run_writes_ratios_for_every_kernel(tmp_path, capsys):
         for mode in modes:
             assert f"{name}: reference/kernel ({mode})" in result["ratios"]
             assert result["results"][name][f"kernel/{mode}"]["median_s"] > 0
+        # fp32 in the interpreter: the kernels agree with their references to float rounding
+        assert max(result["errors"][name].values()) < 1e-3, (name, result["errors"][name])
     assert json.loads(capsys.readouterr().out) == result
