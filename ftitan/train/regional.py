@@ -17,7 +17,10 @@ attention, MoE vs dense) compiles once per kind. A block that reads the
 index itself (DeepSeek-V3's ``i < n_dense_layers``, Muse Glimmer's per-layer
 window) specializes on it: one compile per index it distinguishes.
 
-The rest of the step (embedding, loss, optimizer) runs eagerly; gradients
+The rest of the step (embedding, loss, optimizer) runs eagerly; the eager
+optimizer update is most of the step-time gap to a whole-step compile on CPU
+(:func:`compiled_update` compiles it as a region of its own, at a compile cost
+that grows with the number of leaves: see docs/compile-and-memory.md); gradients
 come from ``torch.autograd`` (``make_train_step(grad_impl="autograd")``): a
 compiled region under ``torch.func.grad`` is refused by dynamo with
 ``fullgraph=True`` in torch 2.13 ("Unsupported functorch tracing attempt").
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["backend_of", "block_call", "compiling", "current_backend", "regional_step"]
+__all__ = ["backend_of", "block_call", "compiled_update", "compiling", "current_backend", "regional_step"]
 
 _active: list[str] = []  # the backends of the enclosing ``compiling`` contexts (innermost last)
 
@@ -98,3 +101,10 @@ def regional_step(step: Callable[..., Any], backend: str) -> Callable[..., Any]:
             return step(*args, **kwargs)
 
     return run
+
+
+def compiled_update(optimizer: Any, backend: str) -> Any:
+    """``optimizer`` (an ``optim.Transform``) with its ``update`` compiled on its own (``backend``), for a
+    regional step that should also fuse the optimizer's pointwise math (not the runtime's default: its compile
+    grows with the leaves). Not fullgraph: a transform may branch on values (non-finite guards)."""
+    return type(optimizer)(optimizer.init, torch.compile(optimizer.update, backend=backend, dynamic=False))

@@ -157,3 +157,14 @@ def test_cli_run_with_regional_compile_and_full_remat(tmp_path):
     assert len(losses) >= 5 and losses[-1] < losses[0]
     cfg = json.loads((tmp_path / "r" / "config.json").read_text())
     assert cfg["compile"] == "regional" and cfg["model"]["remat"] == "full"
+
+
+def test_compiled_update_is_the_same_optimizer():
+    model = tiny("llama")
+    params, b = model.init(ft.random.key(0)), batch()
+    opt = ft.optim.adamw(1e-2)
+    loss_fn = ft.train.next_token_loss(model)
+    step = ft.train.make_train_step(loss_fn, regional.compiled_update(opt, "aot_eager"))
+    got, _ = step(ft.train.init_state(T.map(torch.clone, params), opt), b)
+    want, _ = ft.train.make_train_step(loss_fn, opt)(ft.train.init_state(T.map(torch.clone, params), opt), b)
+    assert_close_trees(got.params, want.params, rtol=1e-6, atol=1e-7)
