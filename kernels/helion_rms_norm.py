@@ -27,6 +27,7 @@ import helion.language as hl
 import torch
 
 from ftitan.kernels import op
+from ftitan.nn import norm
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
@@ -128,10 +129,8 @@ def rms_norm_reference(
     w: torch.Tensor,  # (D,)
     eps: float,
 ) -> torch.Tensor:  # (..., D), dtype of x
-    """``w * x / sqrt(mean(x^2) + eps)`` in plain torch: :func:`ftitan.nn.norm.rms_norm`'s definition."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w.to(x.dtype) * normed.to(x.dtype)
+    """``w * x / sqrt(mean(x^2) + eps)`` in plain torch: ``ftitan.nn.rms_norm`` itself (its torch path)."""
+    return norm.rms_norm(x, w, eps)
 
 
 def rms_norm(

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ftitan.kernels import op
+from ftitan.nn import rope
 
 __all__ = ["apply_rope", "apply_rope_qk", "apply_rope_reference"]
 
@@ -41,13 +42,8 @@ def apply_rope_reference(
     sin: torch.Tensor,  # same shape as cos
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int rows of the cos/sin table
 ) -> torch.Tensor:  # (B, T, H, Dh)
-    """``x * cos + rotate_half(x) * sin`` in plain ops: ``ftitan.nn.apply_rope``'s definition."""
-    if positions is not None:
-        cos, sin = cos[positions], sin[positions]
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """``x * cos + rotate_half(x) * sin`` in plain ops: ``ftitan.nn.apply_rope`` itself (its torch path)."""
+    return rope.apply_rope(x, cos, sin, positions)
 
 
 # ---------------------------------------------------------------- Triton kernels
