@@ -43,7 +43,8 @@ import torch.autograd.forward_ad as forward_ad
 
 __all__ = ["KERNELS", "LIBRARY", "check_kernels", "define", "interpret", "interpreting", "use_kernel"]
 
-KERNELS = ("torch", "triton")  # the values of a model config's `kernels` field
+KERNELS = ("torch", "triton", "helion")  # a model config's `kernels`; "helion": Helion kernels where ftitan has one
+# (RMSNorm), Triton otherwise
 LIBRARY = "ftitan_kernels"
 _lib = torch.library.Library(LIBRARY, "DEF")
 _interpret = False
@@ -53,7 +54,8 @@ def check_kernels(value: Any, owner: str) -> None:
     """Raise naming ``owner`` (e.g. ``"llama.Config.kernels"``) unless ``value`` is one of :data:`KERNELS`."""
     if value not in KERNELS:
         raise ValueError(f"{owner}={value!r}: expected one of {KERNELS} ('triton': ftitan.kernels on CUDA, their "
-                         "references elsewhere)")  # fmt: skip
+                         "references elsewhere; 'helion': the Helion kernels where there is one (RMSNorm), "
+                         "Triton otherwise)")  # fmt: skip
 
 
 def define(name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:

@@ -17,8 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BLOCK", "FORMATS", "Block", "decode", "dequantize", "encode", "encoded_bytes", "error_bound", "n_scales",
-           "quantize"]  # fmt: skip
+from ftitan.kernels import op
+
+__all__ = ["BLOCK", "FORMATS", "Block", "decode", "dequantize", "dequantize_reference", "encode", "encoded_bytes",
+           "error_bound", "n_scales", "quantize", "quantize_reference"]  # fmt: skip
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS: dict[str, tuple[torch.dtype, float]] = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -67,7 +69,18 @@ def n_scales(shape: Sequence[int], block: Block) -> int:
 
 def quantize(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, scales)``: ``x``'s values in ``fmt`` (``x``'s shape) and one float32 scale per block
-    (``(n_scales,)``). An all-zero block gets scale 1 (its values stay 0)."""
+    (``(n_scales,)``). An all-zero block gets scale 1 (its values stay 0). Where
+    ``ftitan.kernels.op.use_kernel(x)`` (CUDA), the Triton kernel ``ftitan.kernels.quantize``: bit-identical."""
+    _check(fmt, block)
+    if op.use_kernel(x):
+        from ftitan.kernels import quantize as kernel  # (imports triton)
+
+        return kernel.quantize(x, fmt, block)
+    return quantize_reference(x, fmt, block)
+
+
+def quantize_reference(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` in torch ops: the definition the kernel is tested against."""
     rows, cols = _check(fmt, block)
     dtype, qmax = FORMATS[fmt]
     t = _tiles(x.detach().float(), rows, cols)
@@ -79,7 +92,18 @@ def quantize(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> tuple[torch.Ten
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: Block = BLOCK, dtype: torch.dtype = torch.float32
                ) -> torch.Tensor:  # fmt: skip
-    """:func:`quantize`'s inverse up to rounding: ``values * scale`` of each block, in ``dtype``."""
+    """:func:`quantize`'s inverse up to rounding: ``values * scale`` of each block, in ``dtype`` (the Triton
+    kernel ``ftitan.kernels.quantize`` where ``ftitan.kernels.op.use_kernel``: bit-identical)."""
+    if op.use_kernel(q, scales):
+        from ftitan.kernels import quantize as kernel  # (imports triton)
+
+        return kernel.dequantize(q, scales, block, dtype)
+    return dequantize_reference(q, scales, block, dtype)
+
+
+def dequantize_reference(q: torch.Tensor, scales: torch.Tensor, block: Block = BLOCK,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """:func:`dequantize` in torch ops: the definition the kernel is tested against."""
     rows, cols = (1, block) if isinstance(block, int) else block
     t = _tiles(q.float(), rows, cols)
     y = t * scales.reshape(*t.shape[:-4], t.shape[-4], 1, t.shape[-2], 1)

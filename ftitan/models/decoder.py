@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from ftitan import nn
+from ftitan.kernels.rope import apply_rope_qk
 from ftitan.models import hf
 from ftitan.models.base import StageOut
 from ftitan.nn import invariant
@@ -143,9 +144,12 @@ def attention(
         q, k, v = (nn.linear(x, p[name], invariant=inv) for name in ("wq", "wk", "wv"))
     q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (q, k, v))
     if "q_norm" in p:  # Qwen3
-        q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps, invariant=inv)
-        k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps, invariant=inv)
-    q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
+        q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps, invariant=inv, kernels=cfg.kernels)
+        k = nn.rms_norm(k, par.tp_shared(p["k_norm"], "kv_heads"), cfg.norm_eps, invariant=inv, kernels=cfg.kernels)
+    if cfg.kernels != "torch":  # q and k in one launch (its reference elsewhere: nn.apply_rope of each)
+        q, k = apply_rope_qk(q, k, cos, sin)
+    else:
+        q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
     return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv))
 
@@ -153,13 +157,16 @@ def attention(
 def norm(cfg: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``rms_norm`` of the residual stream (under sequence parallelism each tp rank holds its own tokens,
     so the scale's gradient is summed over tp)."""
-    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps, invariant=invariant.enabled(cfg))
+    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps, invariant=invariant.enabled(cfg),
+                       kernels=cfg.kernels)  # fmt: skip
 
 
-def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor], *, invariant: bool = False) -> torch.Tensor:
+def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor], *, invariant: bool = False,
+        kernels: str = "torch") -> torch.Tensor:  # fmt: skip
     """SwiGLU MLP of ``x`` (B, T_local, D) normed, column-parallel ``w1``/``w3`` and row-parallel ``w2``
-    under tensor parallelism; ``invariant``: batch-invariant matmuls (``nn.invariant``)."""
-    return par.row_output(nn.swiglu(par.column_input(x), **p, invariant=invariant))
+    under tensor parallelism; ``invariant``: batch-invariant matmuls (``nn.invariant``); ``kernels``: the
+    model's ``kernels`` (``nn.swiglu``)."""
+    return par.row_output(nn.swiglu(par.column_input(x), **p, invariant=invariant, kernels=kernels))
 
 
 def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str,
@@ -320,9 +327,16 @@ def run_stage(
     family's ``stage`` (and so its ``apply``) runs. The last stage's output is whole on every tp rank
     (ready for the head), the others' are in the residual-stream layout (split along the sequence under
     sequence parallelism). With a ``cache`` (``base.AttentionCache``) each layer attends through it, and
-    the cache every layer wrote to is returned."""
+    the cache every layer wrote to is returned. Without one (training) ``block`` runs under ``cfg.remat``
+    (``ftitan.train.remat``) and, inside ``ftitan.train.regional.compiling``, compiled once for all layers."""
+    from ftitan.train import regional, remat  # block transforms (ftitan.train imports the models)
+
     h = par.embed(x, params["embed"]) if first else x
     stats = {}
+    if cache is None:  # training: remat (cfg.remat) and regional compile (regional.compiling) of the block
+        block = remat.remat_block(getattr(cfg, "remat", "none"), block, layers)
+        backend = regional.current_backend()
+        block = block if backend is None else functools.partial(regional.block_call, backend, block)
     for i in layers:  # explicit order: dict/optree order would put "10" before "2"
         attend, written = layer_attention(cache, i, segments)
         h, s = block(i, params["layers"][str(i)], h, attend)
@@ -354,7 +368,8 @@ def dense_stage(
 
     def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, None]:
         h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin, attend=attend)
-        return h + mlp(norm(cfg, h, p["mlp_norm"]), p["mlp"], invariant=invariant.enabled(cfg)), None
+        x = norm(cfg, h, p["mlp_norm"])
+        return h + mlp(x, p["mlp"], invariant=invariant.enabled(cfg), kernels=cfg.kernels), None
 
     return run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache, segments=segments)
 

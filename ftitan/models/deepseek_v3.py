@@ -74,6 +74,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
+from ftitan.kernels.op import check_kernels
 from ftitan.models import base, decoder, hf, mtp
 from ftitan.models.base import Model, drop_aux
 from ftitan.nn import mla as mla_
@@ -138,7 +139,9 @@ class Config:
     rope_scaling: YarnRopeScaling | None = None  # YaRN context extension, or None
     rope_interleave: bool = True  # rope dims stored as interleaved pairs, as in every DeepSeek/Kimi checkpoint
     max_seq_len: int = 4096  # longest sequence the model is meant for (HF max_position_embeddings)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
+    # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
+    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
@@ -146,6 +149,7 @@ class Config:
     mtp_loss_weight: float = 0.3  # lambda: the MTP loss is lambda / D * sum_k CE_k (0.3, then 0.1 in the report)
 
     def __attrs_post_init__(self) -> None:
+        check_kernels(self.kernels, "deepseek_v3.Config.kernels")
         ints = ("vocab_size", "dim", "n_layers", "n_heads", "kv_lora_rank", "ffn_dim", "n_experts", "top_k",
                 "moe_ffn_dim", "max_seq_len")  # fmt: skip
         for name in ints:
@@ -177,6 +181,7 @@ class Config:
             qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             rope_interleave=self.rope_interleave, latent_norm_eps=self.latent_norm_eps, attn_impl=self.attn_impl,
+            kernels=self.kernels,
         )  # fmt: skip
 
     @property
@@ -186,7 +191,7 @@ class Config:
             n_shared_experts=self.n_shared_experts, score_func=self.score_func, norm_topk=self.norm_topk,
             n_groups=self.n_groups, topk_groups=self.topk_groups, routed_scale=self.routed_scale, score_bias=True,
             aux_loss_coef=self.aux_loss_coef, bias_update_rate=self.bias_update_rate,
-            batch_invariant=self.attn_impl == "batch_invariant",
+            batch_invariant=self.attn_impl == "batch_invariant", kernels=self.kernels,
         )  # fmt: skip
 
     @property
@@ -408,7 +413,7 @@ def _block(
     h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg, attend=attend)
     x = decoder.norm(cfg, h, p["mlp_norm"])
     if dense:
-        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant), None
+        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant, kernels=cfg.kernels), None
     y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
     return h + y, stats
 
@@ -427,7 +432,8 @@ def _mtp_block(cfg: Config, mla_cfg: mla_.MLAConfig, moe_cfg: moe_.MoEConfig) ->
 def mtp_module(cfg: Config, k: int = 0) -> Any:
     """MTP module ``k`` as a function ``(params, h_prev, next_tokens, *, positions, cache=None, segments=None)
     -> (h, normed, cache, stats)`` (``ftitan.models.mtp.module_apply``): what speculative decoding drafts with."""
-    return functools.partial(mtp.module_apply, k=k, block=_mtp_block(cfg, cfg.mla, cfg.moe), norm_eps=cfg.norm_eps)
+    return functools.partial(mtp.module_apply, k=k, block=_mtp_block(cfg, cfg.mla, cfg.moe), norm_eps=cfg.norm_eps,
+                             kernels=cfg.kernels)  # fmt: skip
 
 
 def _apply_with_aux(
@@ -451,8 +457,8 @@ def _apply_with_aux(
     if mtp_loss and cfg.n_mtp_layers and cache is None and "mtp" in params:  # training: the MTP loss
         positions = decoder.positions_for(tokens, positions, family="deepseek_v3", segments=segments)
         block = _mtp_block(cfg, mla_cfg, moe_cfg)
-        losses, mtp_stats = mtp.mtp_losses(params, h, tokens, block, norm_eps=cfg.norm_eps, positions=positions,
-                                           segments=segments)  # fmt: skip
+        losses, mtp_stats = mtp.mtp_losses(params, h, tokens, block, norm_eps=cfg.norm_eps, kernels=cfg.kernels,
+                                           positions=positions, segments=segments)  # fmt: skip
         all_stats += mtp_stats
     aux = expert.moe_aux(all_stats, moe_cfg)  # router statistics of the global batch (MTP blocks' rows last)
     if losses:

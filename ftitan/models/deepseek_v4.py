@@ -62,6 +62,7 @@ import attrs
 import torch
 
 from ftitan import nn, tree
+from ftitan.kernels.op import check_kernels
 from ftitan.models import deepseek_v4_forward as fwd
 from ftitan.models import deepseek_v4_mtp as mtp_
 from ftitan.models.base import Model
@@ -131,6 +132,7 @@ class Config:
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
 
     def __attrs_post_init__(self) -> None:
+        check_kernels(self.kernels, "deepseek_v4.Config.kernels")
         ints = ("vocab_size", "dim", "n_layers", "n_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
                 "o_lora_rank", "csa_rate", "hca_rate", "window", "index_heads", "index_head_dim", "index_topk",
                 "n_experts", "top_k", "expert_dim", "hc_mult", "hc_sinkhorn_iters", "max_seq_len")  # fmt: skip
@@ -337,9 +339,16 @@ def _apply_with_aux(
     h = par.embed(tokens, params["embed"])  # (B, T_local, D)
     h = h.unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1)
     learned, kls = [], []
+
+    def block(i: int, p: Mapping[str, Any], h: torch.Tensor, _attend: Any) -> tuple[torch.Tensor, Any]:
+        h, stats, kl = fwd.block(cfg, attn_cfgs[cfg.layer_types[i]], p, h, tokens, positions, with_kl=with_kl)
+        return h, (stats, kl)
+
+    from ftitan.train import remat  # the layer loop bypasses decoder.run_stage: cfg.remat applied here
+
+    block = remat.remat_block(cfg.remat, block, range(cfg.n_layers))
     for i in range(cfg.n_layers):  # explicit order: dict order would put "10" before "2"
-        kind = cfg.layer_types[i]
-        h, stats, kl = fwd.block(cfg, attn_cfgs[kind], params["layers"][str(i)], h, tokens, positions, with_kl=with_kl)
+        h, (stats, kl) = block(i, params["layers"][str(i)], h, None)
         if i >= cfg.n_hash_layers:
             learned.append(stats)
         if kl is not None:

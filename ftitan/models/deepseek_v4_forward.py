@@ -75,7 +75,7 @@ def _moe(cfg: Config, p: Mapping[str, Any], x: torch.Tensor, tokens: torch.Tenso
 
 
 def _norm(cfg: Config, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps)
+    return nn.rms_norm(h, par.tp_shared(w, "norm_seq"), cfg.norm_eps, kernels=cfg.kernels)
 
 
 def _shared(p: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

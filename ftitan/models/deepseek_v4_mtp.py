@@ -74,8 +74,9 @@ def mtp_losses(
             raise ValueError(f"deepseek_v4 MTP: rows of {t} tokens leave depth {k} no position to score; "
                              f"use rows of more than {k + 1} tokens")  # fmt: skip
         p = mtp[str(k - 1)]
-        e = nn.rms_norm(F.embedding(tokens[:, k:], embed), p["enorm"], cfg.norm_eps)  # (B, T-k, D)
-        x = nn.rms_norm(h[:, : t - k], p["hnorm"], cfg.norm_eps)
+        e = F.embedding(tokens[:, k:], embed)  # (B, T-k, D)
+        e = nn.rms_norm(e, p["enorm"], cfg.norm_eps, kernels=cfg.kernels)
+        x = nn.rms_norm(h[:, : t - k], p["hnorm"], cfg.norm_eps, kernels=cfg.kernels)
         x = nn.linear(e, p["e_proj"]).unsqueeze(2) + nn.linear(x, p["h_proj"])  # (B, T-k, N, D)
         h, s, _ = block(p["block"], x, tokens[:, k:], torch.arange(t - k, device=tokens.device))
         out = nn.rms_norm(hc.hc_head(h, p["hc_head"], eps=cfg.hc_eps, norm_eps=cfg.norm_eps), p["norm"], cfg.norm_eps)

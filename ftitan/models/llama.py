@@ -37,6 +37,7 @@ import attrs
 import torch
 
 from ftitan import nn
+from ftitan.kernels.op import check_kernels
 from ftitan.models import decoder, hf
 from ftitan.models.base import Model
 from ftitan.nn.attention import IMPLS, AttentionImpl
@@ -70,12 +71,15 @@ class Config:
     rope_scaling: Llama3RopeScaling | None = None  # Llama 3.1 long-context frequency scaling, or None
     max_seq_len: int = 8192  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table (Llama 3.2 1B/3B)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
+    # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
+    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
+        check_kernels(self.kernels, "llama.Config.kernels")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

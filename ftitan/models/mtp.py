@@ -93,6 +93,7 @@ def module_apply(
     positions: torch.Tensor,  # (T,) | (B, T) int positions of h_prev's tokens
     block: Block,
     norm_eps: float,
+    kernels: str = "torch",  # the model's kernels (its norms: nn.rms_norm)
     cache: Any = None,  # a base.AttentionCache; the module's attention is its layer 0
     segments: torch.Tensor | None = None,  # (B, T) int document ids (no cache)
 ) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:  # h^{k+1} (B, T, D), normed for the head (B, T, D), cache, stats
@@ -100,11 +101,12 @@ def module_apply(
     docstring); returns its block output, the same after the module's norm (``h @ head.T`` are its
     logits for the token after ``next_tokens``), the cache it attended through, and its router stats."""
     p = params["mtp"][str(k)]
-    e = nn.rms_norm(par.embed(next_tokens, params["embed"]), p["enorm"], norm_eps)
-    x = nn.linear(torch.cat([e, nn.rms_norm(h_prev, p["hnorm"], norm_eps).to(e.dtype)], dim=-1), p["eh_proj"])
+    e = nn.rms_norm(par.embed(next_tokens, params["embed"]), p["enorm"], norm_eps, kernels=kernels)
+    hn = nn.rms_norm(h_prev, p["hnorm"], norm_eps, kernels=kernels)
+    x = nn.linear(torch.cat([e, hn.to(e.dtype)], dim=-1), p["eh_proj"])
     attend, written = decoder.layer_attention(cache, 0, segments)
     h, stats = block(p["block"], x, positions, attend)
-    return h, nn.rms_norm(h, p["norm"], norm_eps), written(), stats
+    return h, nn.rms_norm(h, p["norm"], norm_eps, kernels=kernels), written(), stats
 
 
 def _targets(tokens: torch.Tensor, k: int, segments: torch.Tensor | None) -> torch.Tensor:  # (B, T - k - 2)
@@ -127,6 +129,7 @@ def mtp_losses(
     block: Block,
     *,
     norm_eps: float,
+    kernels: str = "torch",  # the model's kernels (the modules' norms)
     positions: torch.Tensor,  # (T,) | (B, T) int
     segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows
 ) -> tuple[list[torch.Tensor], list[Any]]:  # CE_k per module (0-d, mean over its targets), router stats
@@ -150,7 +153,7 @@ def mtp_losses(
         pos = positions[..., :n]
         seg = None if segments is None else segments[:, :n]
         h, normed, _, s = module_apply(params, h[:, :n], tokens[:, k + 1 :], k=k, positions=pos, block=block,
-                                       norm_eps=norm_eps, segments=seg)  # fmt: skip
+                                       norm_eps=norm_eps, kernels=kernels, segments=seg)  # fmt: skip
         stats.append(s)
         scored = normed[:, : n - 1]  # the last position's target lies past the row
         targets = _targets(tokens, k, segments).reshape(-1)

@@ -105,7 +105,9 @@ class Config:
     norm_eps: float = 1e-5  # eps of the pre-norms, the embedding norm, the QK-norm and the final norm
     post_norm_eps: float = 1e-8  # eps of the post-attention and post-MLP norms
     max_seq_len: int = 131_072  # longest sequence the model is meant for (HF max_position_embeddings)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (nn.invariant)
+    # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
+    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the normal init; residual outputs wo/w2 get init_std/sqrt(2L)
@@ -218,13 +220,13 @@ def output_head(cfg: Config, params: Mapping[str, Any]) -> torch.Tensor:  # (V, 
     return params["head"] * cfg.output_multiplier
 
 
-def _centered_norm(h: torch.Tensor, w: torch.Tensor, eps: float, *, inv: bool) -> torch.Tensor:
+def _centered_norm(h: torch.Tensor, w: torch.Tensor, eps: float, *, inv: bool, kernels: str = "torch") -> torch.Tensor:
     """RMSNorm with scale ``1 + w`` of the residual stream (its own tokens on each rank under sequence
     parallelism, so the weight's gradient is summed over tp). Scaled in float32 and then cast, as HF: in
     bfloat16, ``1 + w`` would round a small ``w`` away."""
     f = torch.promote_types(h.dtype, torch.float32)  # float64 kept (finite-difference checks)
     scale = 1 + par.tp_shared(w, "norm_seq").to(f)
-    return nn.rms_norm(h.to(f), scale, eps, invariant=inv).to(h.dtype)
+    return nn.rms_norm(h.to(f), scale, eps, invariant=inv, kernels=kernels).to(h.dtype)
 
 
 def _unit_norm(x: torch.Tensor, eps: float, *, inv: bool) -> torch.Tensor:
@@ -252,7 +254,7 @@ def _attention(
     q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in qkv)
     q, k = _unit_norm(q, cfg.norm_eps, inv=inv), _unit_norm(k, cfg.norm_eps, inv=inv)
     if rope is not None:
-        q, k = nn.apply_rope(q, *rope), nn.apply_rope(k, *rope)
+        q, k = nn.apply_rope(q, *rope, kernels=cfg.kernels), nn.apply_rope(k, *rope, kernels=cfg.kernels)
     extra = {} if window is None else {"window": window}  # global layers call any cache as other families do
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.qk_scale * cfg.head_dim**-0.5, **extra)
     o = o.reshape(b, t, -1) * torch.sigmoid(nn.linear(x, p["wg"], invariant=inv))  # gate: (B, T, H_local * Dh)
@@ -290,11 +292,13 @@ def _stage(
 
     def block(i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, None]:
         rope = ropes.get(cfg.thetas[i])
-        a = _attention(cfg, p["attn"], _centered_norm(h, p["attn_norm"], cfg.norm_eps, inv=inv), rope,
+        kern = cfg.kernels
+        a = _attention(cfg, p["attn"], _centered_norm(h, p["attn_norm"], cfg.norm_eps, inv=inv, kernels=kern), rope,
                        cfg.windows[i], attend)  # fmt: skip
-        h = h + _centered_norm(a, p["attn_post_norm"], cfg.post_norm_eps, inv=inv)
-        m = decoder.mlp(_centered_norm(h, p["mlp_norm"], cfg.norm_eps, inv=inv), p["mlp"], invariant=inv)
-        return h + _centered_norm(m, p["mlp_post_norm"], cfg.post_norm_eps, inv=inv), None
+        h = h + _centered_norm(a, p["attn_post_norm"], cfg.post_norm_eps, inv=inv, kernels=kern)
+        m = decoder.mlp(_centered_norm(h, p["mlp_norm"], cfg.norm_eps, inv=inv, kernels=kern), p["mlp"], invariant=inv,
+                        kernels=kern)  # fmt: skip
+        return h + _centered_norm(m, p["mlp_post_norm"], cfg.post_norm_eps, inv=inv, kernels=kern), None
 
     if first:  # the normed embedding enters as a later stage's input would
         x = _unit_norm(par.embed(x, params["embed"]), cfg.norm_eps, inv=inv)

@@ -49,6 +49,7 @@ import attrs
 import torch
 
 from ftitan import nn
+from ftitan.kernels.op import check_kernels
 from ftitan.models import decoder, hf
 from ftitan.models.base import Model
 from ftitan.models.decoder import (
@@ -97,7 +98,9 @@ class Config:
     rope_theta: float = 1_000_000.0  # RoPE base
     max_seq_len: int = 40_960  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table (0.6B, 1.7B, 4B)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
+    # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
+    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
@@ -166,6 +169,7 @@ FLAVORS = {
 
 def check_config(cfg: AttentionConfig, family: str) -> None:
     """Validation shared with ``qwen3_moe.Config`` (``family`` names the culprit's class)."""
+    check_kernels(cfg.kernels, f"{family}.Config.kernels")
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
         check_positive_int(cfg, family, name)
     if cfg.n_heads % cfg.n_kv_heads:

@@ -102,7 +102,9 @@ class Config:
     rope_theta: float = 1_000_000.0  # RoPE base
     max_seq_len: int = 40_960  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant)
+    # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
+    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
@@ -130,6 +132,7 @@ class Config:
         return MoEConfig(
             n_experts=self.n_experts, top_k=self.top_k, expert_dim=self.expert_dim, score_func="softmax",
             norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef, batch_invariant=invariant.enabled(self),
+            kernels=self.kernels,
         )  # fmt: skip
 
     @property
@@ -247,7 +250,7 @@ def _stage(
         if "moe" in p:
             y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
             return h + y, stats
-        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant), None
+        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant, kernels=cfg.kernels), None
 
     return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
                              segments=segments)  # fmt: skip

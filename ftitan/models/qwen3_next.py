@@ -108,7 +108,7 @@ class Config:
     rope_theta: float = 10_000_000.0  # RoPE base
     max_seq_len: int = 262_144  # HF max_position_embeddings
     tie_embeddings: bool = False  # output head reuses the embedding table
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa" or "math" for the full-attention layers
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math", "flex" or "auto" (nn.attention) for the full-attention layers
     kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     chunk: int = 64  # tokens per chunk of the chunked delta rule (training, prefill)
@@ -157,7 +157,7 @@ class Config:
         """The routed experts' config (the gated shared expert is applied by the family)."""
         return MoEConfig(
             n_experts=max(self.n_experts, self.top_k), top_k=self.top_k, expert_dim=self.expert_dim,
-            score_func="softmax", norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef,
+            score_func="softmax", norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef, kernels=self.kernels,
         )  # fmt: skip
 
     @property
@@ -301,14 +301,16 @@ def _norm(cfg: Config, h: torch.Tensor, w: torch.Tensor, logical: str = "norm_se
     """Zero-centered RMSNorm: ``(1 + w) * rms_norm(h)`` (``w`` shared over the tp axes of ``logical``), scaled in
     float32 and then cast, as HF (in bf16, ``1 + w`` would round a small ``w`` away)."""
     x = h.to(torch.promote_types(h.dtype, torch.float32))
+    if cfg.kernels != "torch":  # the same function: an rms_norm of float32 x with scale 1 + w
+        return nn.rms_norm(x, 1 + par.tp_shared(w, logical).to(x.dtype), cfg.norm_eps, kernels=cfg.kernels).to(h.dtype)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
     return (normed * (1 + par.tp_shared(w, logical).to(x.dtype))).to(h.dtype)
 
 
-def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, kernels: str = "torch") -> torch.Tensor:
     """RoPE on the first ``cos.shape[-1]`` dims of each head (B, T, H, Dh), the rest passed through."""
     r = cos.shape[-1]
-    return torch.cat([nn.apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    return torch.cat([nn.apply_rope(x[..., :r], cos, sin, kernels=kernels), x[..., r:]], dim=-1)
 
 
 def _attention(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -324,7 +326,7 @@ def _attention(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, cos:
     q, gate = qg.reshape(b, t, -1, 2 * cfg.head_dim).chunk(2, dim=-1)
     k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (k, v))
     q, k = _norm(cfg, q, p["q_norm"], "heads"), _norm(cfg, k, p["k_norm"], "kv_heads")
-    q, k = _partial_rope(q, cos, sin), _partial_rope(k, cos, sin)
+    q, k = _partial_rope(q, cos, sin, kernels=cfg.kernels), _partial_rope(k, cos, sin, kernels=cfg.kernels)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
     o = o * torch.sigmoid(gate)  # the output gate of each head
     return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"]))
@@ -367,7 +369,7 @@ def _gdn_scan(cfg: Config, conv: torch.Tensor) -> decoder.Scan:
         y = y.reshape(bsz, t, -1, cfg.group_width)
         q, k, v = y[..., :dk], y[..., dk : 2 * dk], y[..., 2 * dk :].reshape(bsz, t, -1, dv)
         o, ssm = gdn.delta_rule(q, k, v, g, beta, None if state is None else state["ssm"], chunk=cfg.chunk,
-                                segments=segments)  # fmt: skip
+                                segments=segments, kernels=cfg.kernels)  # fmt: skip
         return o, {"conv": conv_state, "ssm": ssm}
 
     return scan
@@ -395,11 +397,11 @@ def _gated_deltanet(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor,
 def _feed_forward(cfg: Config, moe_cfg: MoEConfig, p: Mapping[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """SwiGLU, or routed experts + ``sigmoid(x @ shared_gate) * shared(x)`` (x: (B, T, D) normed)."""
     if "mlp" in p:
-        return decoder.mlp(x, p["mlp"]), None
+        return decoder.mlp(x, p["mlp"], kernels=cfg.kernels), None
     y, stats = expert.moe(x, p["moe"], moe_cfg)
     if "shared" in p["moe"]:
         gate = torch.sigmoid(nn.linear(x, par.tp_shared(p["moe"]["shared_gate"], "norm_seq")))
-        y = y + gate * decoder.mlp(x, p["moe"]["shared"])
+        y = y + gate * decoder.mlp(x, p["moe"]["shared"], kernels=cfg.kernels)
     return y, stats
 
 

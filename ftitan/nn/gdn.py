@@ -94,6 +94,7 @@ def chunked_delta_rule(
     *,
     chunk: int = 64,
     segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows: the state restarts at each
+    kernels: str = "torch",  # "triton"/"helion": ftitan.kernels.gdn's chunk kernel where it runs (CUDA)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (B, T, Hv, Dv) in v's dtype, final state (B, Hv, Dk, Dv) float32
     """The gated delta rule ``chunk`` tokens at a time (training, prefill); see the module docstring.
 
@@ -106,6 +107,10 @@ def chunked_delta_rule(
     by tokens of a document that starts inside the chunk), which is the recurrence restarted from zeros
     at each document (``state`` belongs to the first document).
     """
+    if kernels != "torch":  # imported here: ftitan.kernels.gdn imports this module for its reference
+        from ftitan.kernels.gdn import chunk_delta_rule
+
+        return chunk_delta_rule(q, k, v, g, beta, state, chunk=chunk, segments=segments)
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, t, dk = k.shape
@@ -159,11 +164,12 @@ def delta_rule(
     *,
     chunk: int = 64,
     segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows
+    kernels: str = "torch",  # the model's kernels choice, for the chunked form
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`recurrent_delta_rule` for one token (decode), :func:`chunked_delta_rule` otherwise."""
     if q.shape[1] == 1:
         return recurrent_delta_rule(q, k, v, g, beta, state)
-    return chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk, segments=segments)
+    return chunked_delta_rule(q, k, v, g, beta, state, chunk=chunk, segments=segments, kernels=kernels)
 
 
 def causal_conv(

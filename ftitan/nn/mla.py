@@ -82,7 +82,8 @@ class MLAConfig:
     rope_scaling: YarnRopeScaling | None = None  # YaRN context extension (also scales the softmax), or None
     rope_interleave: bool = True  # rope dims stored as interleaved pairs (DeepSeek checkpoints); False: rotate-half
     latent_norm_eps: float = 1e-6  # epsilon of the q/kv latent RMSNorms (fixed 1e-6 in DeepSeek's and HF's code)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa" (F.scaled_dot_product_attention) or "math" (explicit fp32 softmax)
+    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant", "flex", "auto"
+    kernels: str = "torch"  # "triton": latent norms and RoPE by ftitan.kernels (Triton on CUDA, references elsewhere)
 
     def __attrs_post_init__(self) -> None:
         if self.qk_rope_head_dim % 2:
@@ -156,10 +157,10 @@ def mla_rope(
     return cos, sin
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, kernels: str = "torch") -> torch.Tensor:
     if interleave:  # pairs (x0, x1), (x2, x3), ... -> rotate-half layout (evens, odds)
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-    return apply_rope(x, cos, sin)
+    return apply_rope(x, cos, sin, kernels=kernels)
 
 
 def mla(
@@ -185,14 +186,15 @@ def mla(
     if cfg.q_lora_rank is None:
         q = linear(x, p["wq"], invariant=inv)
     else:
-        q_latent = rms_norm(linear(x, p["wq_a"], invariant=inv), p["q_norm"], cfg.latent_norm_eps, invariant=inv)
+        q_latent = rms_norm(linear(x, p["wq_a"], invariant=inv), p["q_norm"], cfg.latent_norm_eps, invariant=inv,
+                            kernels=cfg.kernels)  # fmt: skip
         q = linear(q_latent, p["wq_b"], invariant=inv)
     q_nope, q_rope = q.view(b, t, -1, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
     h = q_nope.shape[2]
     latent, k_rope = linear(x, p["wkv_a"], invariant=inv).split((rkv, dr), dim=-1)  # (B, T, Rkv), (B, T, Dr)
-    latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps, invariant=inv)
-    q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave)
-    k_rope = _rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave)  # (B, T, 1, Dr): one key for all heads
+    latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps, invariant=inv, kernels=cfg.kernels)
+    q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave, cfg.kernels)
+    k_rope = _rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave, cfg.kernels)  # (B, T, 1, Dr): one key for all heads
     # KV-cache seam: a cache would append (latent, k_rope) here, Rkv + Dr numbers per token
     k_nope, v = linear(latent, p["wkv_b"], invariant=inv).view(b, t, h, dn + dv).split((dn, dv), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, Dn + Dr)

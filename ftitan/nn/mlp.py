@@ -23,10 +23,15 @@ def swiglu(
     *,
     w13: torch.Tensor | None = None,  # (2F, D): [w1; w3] in one matrix, instead of w1 and w3
     invariant: bool = False,
+    kernels: str = "torch",
 ) -> torch.Tensor:  # (..., D)
     """``w2(silu(w1 x) * w3 x)``; with ``w13`` (``ftitan.infer.fuse_projections``: one matmul for
     gate and up, as inference engines do) the same function. ``invariant``: batch-invariant
-    matmuls (``ftitan.nn.invariant``)."""
+    matmuls (``ftitan.nn.invariant``). ``kernels="triton"`` (or "helion"): the gating by ``ftitan.kernels.swiglu``."""
+    if kernels != "torch" and not invariant:  # "triton", "helion": Triton's; imported here (ftitan.kernels imports nn)
+        from ftitan.kernels.swiglu import swiglu_mlp
+
+        return swiglu_mlp(x, w1, w2, w3, w13=w13)
     if w13 is not None:
         gate, up = linear(x, w13, invariant=invariant).chunk(2, dim=-1)
     else:

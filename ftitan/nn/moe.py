@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
+from ftitan.kernels import permute
 from ftitan.kernels.grouped_mm import grouped_mm
 from ftitan.nn import invariant as invariant_
 from ftitan.nn.linear import linear
@@ -96,6 +97,7 @@ class MoEConfig:
     aux_loss_coef: float = 0.0  # weight of the Switch load-balancing loss added to the training loss
     bias_update_rate: float = 0.001  # step of the balancing-bias update (DeepSeek-V3's gamma)
     batch_invariant: bool = False  # routing, experts and combination with batch-invariant reductions (nn.invariant)
+    kernels: str = "torch"  # "triton": dispatch/combine by ftitan.kernels.permute (Triton on CUDA, its reference elsewhere)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k > self.n_experts:
@@ -148,8 +150,9 @@ class Routing(NamedTuple):
 class Dispatch(NamedTuple):
     x: torch.Tensor  # (N*k, D): token rows sorted by expert
     offs: torch.Tensor  # (E,) int32: cumulative row ends per expert
-    order: torch.Tensor  # (N*k,) int64: sorted row i holds flat (token, choice) pair order[i]
+    order: torch.Tensor | None  # (N*k,) int64: sorted row i holds flat (token, choice) pair order[i]
     counts: torch.Tensor  # (E,) fp32: rows per expert
+    pos: torch.Tensor | None = None  # (N, k) int64: sorted row of each (token, choice) (kernels="triton")
 
 
 class MoEStats(NamedTuple):
@@ -196,8 +199,12 @@ def route(x: torch.Tensor, p: Mapping[str, torch.Tensor], cfg: MoEConfig) -> Rou
     return Routing(weights.to(x.dtype), experts, probs)
 
 
-def dispatch(x: torch.Tensor, routing: Routing, n_experts: int) -> Dispatch:
-    """Copy each token once per chosen expert and sort the rows by expert (stable)."""
+def dispatch(x: torch.Tensor, routing: Routing, n_experts: int, *, kernels: str = "torch") -> Dispatch:
+    """Copy each token once per chosen expert and sort the rows by expert (stable). ``kernels="triton"``:
+    by ``ftitan.kernels.permute`` (the same rows; :func:`combine` then uses its combine)."""
+    if kernels != "torch":
+        perm = permute.sort_by_expert(routing.experts, n_experts)
+        return Dispatch(permute.dispatch(x, perm.pos, perm.pos.numel()), perm.offs, None, perm.counts, perm.pos)
     flat = routing.experts.reshape(-1)  # (N*k,)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(n_experts, dtype=torch.float32, device=x.device).index_add(
@@ -255,6 +262,10 @@ def experts_reference(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: t
 def combine(y: torch.Tensor, d: Dispatch, routing: Routing, *, invariant: bool = False) -> torch.Tensor:
     """Back to token order, weight by the routing weights, sum over the ``top_k`` choices: (N*k, D) -> (N, D).
     ``invariant``: the sum as a fixed-order tree (``nn.invariant.tree_sum``)."""
+    if d.pos is not None and not invariant:  # kernels="triton": one pass, fp32 accumulation
+        return permute.combine(y, d.pos, routing.weights)
+    if d.pos is not None:
+        d = d._replace(order=torch.argsort(d.pos.reshape(-1)))
     n, k = routing.experts.shape
     inverse = torch.empty_like(d.order).scatter(0, d.order, torch.arange(d.order.numel(), device=d.order.device))
     per_choice = y[inverse].view(n, k, -1)  # gather, not scatter-add: deterministic on every backend
@@ -282,11 +293,11 @@ def moe(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     routing = route(x2, p, cfg)
-    d = dispatch(x2, routing, cfg.n_experts)
+    d = dispatch(x2, routing, cfg.n_experts, kernels=cfg.kernels)
     ex = p["experts"]
     out = combine(experts_fn(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing, invariant=inv)
     if cfg.n_shared_experts:
-        out = out + swiglu(x2, **p["shared"], invariant=inv)
+        out = out + swiglu(x2, **p["shared"], invariant=inv, kernels=cfg.kernels)
     n = torch.tensor(float(x2.shape[0]), device=x.device)
     return out.view(shape), MoEStats(d.counts, routing.probs.sum(0), n)
 

@@ -18,6 +18,7 @@ def rms_norm(
     eps: float,
     *,
     invariant: bool = False,
+    kernels: str = "torch",
 ) -> torch.Tensor:  # (..., D), dtype of x
     """``w * x / sqrt(mean(x^2) + eps)``.
 
@@ -30,8 +31,17 @@ def rms_norm(
     bfloat16 / float16 activations (float16 ``x**2`` overflows from
     ``|x| > 256``); every norm of the models (block, final, QK-norm, MLA's
     latent norms) is this function. ``invariant``: the mean as a fixed-order
-    tree (``ftitan.nn.invariant.rms_norm``).
+    tree (``ftitan.nn.invariant.rms_norm``). ``kernels="triton"``:
+    ``ftitan.kernels.rms_norm`` (the Triton kernel on CUDA, this function's reference elsewhere).
     """
+    if kernels == "helion" and not invariant:  # Helion's RMSNorm kernel (ftitan.kernels.helion_rms_norm)
+        from ftitan.kernels.helion_rms_norm import rms_norm as helion_rms_norm
+
+        return helion_rms_norm(x, w, eps)
+    if kernels == "triton" and not invariant:  # imported here: ftitan.kernels imports ftitan.nn
+        from ftitan.kernels.rms_norm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, w, eps)
     if invariant:
         return _invariant.rms_norm(x, w, eps)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))

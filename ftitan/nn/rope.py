@@ -226,6 +226,8 @@ def apply_rope(
     cos: torch.Tensor,  # (T, Dh) | (B, T, Dh), or a table (S, Dh) when positions is given
     sin: torch.Tensor,  # same shape as cos
     positions: torch.Tensor | None = None,  # (T,) | (B, T) int rows of the cos/sin table
+    *,
+    kernels: str = "torch",  # "triton": ftitan.kernels.rope (the Triton kernel on CUDA, this function elsewhere)
 ) -> torch.Tensor:  # (B, T, H, Dh)
     """Rotate ``x`` by the angles in ``cos``/``sin`` (HF rotate-half convention).
 
@@ -233,6 +235,10 @@ def apply_rope(
     without, they are already aligned with ``x``'s T axis. As in HF, the
     angles are cast to ``x.dtype`` before the rotation.
     """
+    if kernels != "torch":  # "triton", "helion": Triton's; imported here (ftitan.kernels imports ftitan.nn)
+        from ftitan.kernels.rope import apply_rope as apply_rope_kernel
+
+        return apply_rope_kernel(x, cos, sin, positions)
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
     cos = cos.unsqueeze(-2).to(x.dtype)  # broadcast over heads

@@ -242,7 +242,7 @@ def _local_routed(recv: torch.Tensor, experts: Mapping[str, torch.Tensor], cfg: 
     ids = recv[:, d + k :].detach().contiguous().view(_INT_OF_SIZE[recv.element_size()]).long() - 1  # -1: not here
     perm = permute.sort_by_expert(ids, n_local)  # on device: histogram, cumsum, stable argsort
     n_rows = recv.shape[0] * min(k, n_local)  # static bound: a token has <= min(k, E_local) local choices
-    kernel = cfg.kernels == "triton"
+    kernel = cfg.kernels != "torch"
     rows = (permute.dispatch if kernel else permute.dispatch_reference)(xr, perm.pos, n_rows)
     # rows past offs[-1] (padding) belong to no expert: the grouped GEMM leaves them unset, combine never reads them
     y = moe_.experts_forward(rows, perm.offs, experts["w1"], experts["w2"], experts["w3"])

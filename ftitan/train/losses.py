@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ftitan.kernels import op
 from ftitan.kernels.autodiff import plain_reverse_mode
 
 __all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "next_token_loss"]
@@ -132,6 +133,12 @@ def _fused_is_exact(h: torch.Tensor, w: torch.Tensor) -> bool:
     return not any(torch._C._functorch._unwrap_for_grad(x, 1).requires_grad for x in (h, w))
 
 
+def _triton_lce() -> Any:
+    from ftitan.kernels import linear_cross_entropy  # (imports triton)
+
+    return linear_cross_entropy
+
+
 def chunked_cross_entropy(
     h: torch.Tensor,  # (N, D) final hidden states
     w: torch.Tensor,  # (V, D) output projection
@@ -142,6 +149,7 @@ def chunked_cross_entropy(
     reduction: str = "mean",
     fused: bool = True,
     logit_softcap: float | None = None,
+    kernels: str = "torch",
 ) -> torch.Tensor:
     """Cross-entropy of ``h @ w.T`` against ``targets`` without materializing all logits.
 
@@ -162,6 +170,10 @@ def chunked_cross_entropy(
 
     ``logit_softcap``: the logits are ``cap * tanh(h @ w.T / cap)`` (``ftitan.models.base.soft_cap``,
     a model's ``Model.logit_softcap``), applied to each block before its log-softmax; None: plain logits.
+
+    ``kernels="triton"`` (a model config's ``kernels``): with ``fused``, the Triton kernel
+    ``ftitan.kernels.linear_cross_entropy`` (``(BLOCK_N, BLOCK_V)`` tiles, forward and backward) wherever
+    ``ftitan.kernels.op.use_kernel`` holds (CUDA, no ``torch.func`` transform); elsewhere the paths above.
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"chunked_cross_entropy: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
@@ -173,7 +185,9 @@ def chunked_cross_entropy(
         raise ValueError(f"chunked_cross_entropy: chunk_size={chunk_size} must be >= 1")
     if logit_softcap is not None and not 0 < logit_softcap < math.inf:
         raise ValueError(f"chunked_cross_entropy: logit_softcap={logit_softcap!r} must be a finite number > 0 or None")
-    if fused and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad) and _fused_is_exact(h, w):
+    if fused and kernels != "torch" and op.use_kernel(h, w) and _triton_lce().supported(h, w):
+        total = _triton_lce().linear_cross_entropy(h, w, targets, ignore_index=ignore_index, softcap=logit_softcap)
+    elif fused and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad) and _fused_is_exact(h, w):
         total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index, logit_softcap)
     else:
         total = _plain_chunked_total(h, w, targets, chunk_size, ignore_index, logit_softcap)
@@ -193,6 +207,7 @@ def cross_entropy(
     reduction: str = "mean",
     fused: bool = True,
     logit_softcap: float | None = None,
+    kernels: str = "torch",
 ) -> torch.Tensor:
     """:func:`chunked_cross_entropy`; vocab-parallel (``ftitan.parallel.loss``) when the current parallel
     layout splits the vocab, so that no rank gathers the head or holds all logits."""
@@ -208,7 +223,7 @@ def cross_entropy(
         )
     return chunked_cross_entropy(
         h, w, targets, chunk_size=chunk_size, ignore_index=ignore_index, reduction=reduction, fused=fused,
-        logit_softcap=logit_softcap,
+        logit_softcap=logit_softcap, kernels=kernels,
     )
 
 
@@ -246,7 +261,7 @@ def next_token_loss(
             h, _, model_aux = model.apply_with_aux(params, inputs, logits=False, **packed)
         loss = cross_entropy(
             h.reshape(-1, h.shape[-1]), model.head(params), targets.reshape(-1), chunk_size=chunk_size, fused=fused,
-            logit_softcap=model.logit_softcap,
+            logit_softcap=model.logit_softcap, kernels=getattr(model.config, "kernels", "torch"),
         )
         aux = {"n_tokens": (targets != IGNORE_INDEX).sum()}
         if "loss" in model_aux:

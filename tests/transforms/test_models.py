@@ -31,6 +31,7 @@ import torch
 from torch.func import grad, grad_and_value, jvp, vmap
 
 import ftitan as ft
+from ftitan.kernels import op
 from ftitan.models import hf
 from ftitan.nn import hash_moe as hash_moe_module
 from ftitan.nn import moe as moe_module
@@ -45,8 +46,8 @@ F64_FD = {"rtol": 1e-6, "atol": 1e-8}
 STEP = 1e-6
 
 
-def tiny_model(name: str) -> ft.models.Model:
-    model = family(name).model(tiny_config(name))
+def tiny_model(name: str, **overrides: Any) -> ft.models.Model:
+    model = family(name).model(tiny_config(name, **overrides))
     n = ft.tree.size(model.init(ft.random.key(0), device="meta"))
     assert n <= MAX_PARAMS, f"{name}: tiny config has {n} params; add its size fields to SHRINK"
     return model
@@ -174,6 +175,23 @@ def test_hessian_vector_product_equals_central_differences_of_grad_float64(famil
     fd = ft.tree.map(lambda a, b: (a - b) / (2 * STEP), plus, minus)
     torch.testing.assert_close(hvp, fd, **F64_FD)
     assert max(x.abs().max() for x in ft.tree.leaves(hvp)) > 1e-4  # not a zero product
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_transforms_with_triton_kernels_run_the_references(family):
+    """``--kernels triton``: inside ``op.interpret()`` (where a plain call would run the Triton kernels) the
+    transforms still see the kernels' references, so per-example gradients equal the loop, and vmap / jvp
+    equal the torch model's bit for bit (the references are nn's functions)."""
+    model, torch_model = tiny_model(family, kernels="triton"), tiny_model(family)
+    params, tokens = model.init(ft.random.key(0)), _batch()["inputs"]
+    v = _tangent(params)
+    with op.interpret():
+        _per_example_vs_loop(model, ft.train.per_example_grads(ft.train.next_token_loss(model)))
+        got = (vmap(lambda t: model.apply(params, t[None])[0])(tokens),
+               jvp(lambda p: model.apply(p, tokens)[0], (params,), (v,)))  # fmt: skip
+    want = (vmap(lambda t: torch_model.apply(params, t[None])[0])(tokens),
+            jvp(lambda p: torch_model.apply(p, tokens)[0], (params,), (v,)))  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _compiled_per_example(model: ft.models.Model) -> Any:
