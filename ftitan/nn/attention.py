@@ -15,6 +15,12 @@ Three implementations that agree to float32 rounding:
   from key 0, so a query's output does not depend on the batch, the padding or the number of
   keys after the ones it sees (prefill vs decode). A model config with this impl runs all its
   ops batch-invariantly (``ftitan.config.batch_invariant``).
+- ``"flex"``: FlexAttention (``ftitan.nn.flex``) with the mask as a mask function and block
+  sparsity (static block masks cached per shape). Where it cannot run (CPU with an input that
+  requires grad, ``torch.func`` transforms, forward-AD) it runs ``"sdpa"`` with the same mask,
+  materialized from the mask function (``flex.runs``: a compile-time choice).
+- ``"auto"``: ``"flex"`` on CUDA inside ``torch.compile`` (where FlexAttention is a fused kernel; eager
+  it materializes the scores), ``"sdpa"`` elsewhere: resolved from the tensors' device.
 
 Queries may be fewer than keys (decoding against a KV cache): the causal mask
 is then aligned bottom-right, i.e. query ``t`` sits at key position
@@ -31,6 +37,11 @@ only the ``window`` most recent keys of each query, itself included: query
 ``t`` (at key position ``p = t + S - T``) sees key ``j`` only if
 ``j > p - window``, on top of the causal rule or the explicit ``mask`` (HF's
 ``sliding_window`` convention, ``kv_idx > q_idx - sliding_window``).
+
+``segments`` (packed rows, ``(B, T)`` document ids) and ``prefix`` (prefix-LM,
+an int or ``(B,)`` lengths: bidirectional inside each row's prefix, causal
+after it) come with ``causal=True`` and refine it; every impl takes them
+(``flex.mask_of`` is the one definition of each mask).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ftitan.kernels.autodiff import plain_reverse_mode
-from ftitan.nn import invariant
+from ftitan.nn import flex, invariant
 
 __all__ = [
     "Attend",
@@ -54,8 +65,8 @@ __all__ = [
     "window_mask",
 ]
 
-AttentionImpl = Literal["sdpa", "math", "batch_invariant"]
-IMPLS: tuple[str, ...] = ("sdpa", "math", "batch_invariant")
+AttentionImpl = Literal["sdpa", "math", "batch_invariant", "flex", "auto"]
+IMPLS: tuple[str, ...] = ("sdpa", "math", "batch_invariant", "flex", "auto")
 
 # the attention op a model block calls: ``attend(q, k, v, *, impl, causal, scale) -> o`` with the
 # shapes of :func:`attention` (``attention`` itself, context-parallel attention, a KV cache's)
@@ -105,6 +116,8 @@ def attention(
     scale: float | None = None,
     mask: torch.Tensor | None = None,  # (T, S) | (B, T, S) bool, True: may attend
     window: int | None = None,  # sliding window: each query sees its `window` most recent keys, itself included
+    segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (with causal, T == S)
+    prefix: int | torch.Tensor | None = None,  # prefix-LM: int | (B,) int prefix lengths (with causal)
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
 
@@ -135,6 +148,18 @@ def attention(
             f"and comes with causal=False"
         )
     scale = dh**-0.5 if scale is None else scale
+    _check_packed(b, t, s, causal=causal, segments=segments, prefix=prefix)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"attention: window={window!r} must be an int >= 1 (keys each query sees, itself included)")
+    if impl == "auto":  # the device and whether dynamo traces: compile-time constants
+        impl = "flex" if q.device.type == "cuda" and torch.compiler.is_compiling() else "sdpa"
+    if impl == "flex" or segments is not None or prefix is not None:
+        m = flex.mask_of(b, t, s, causal=causal, mask=mask, window=window, segments=segments, prefix=prefix)
+        if impl == "flex" and flex.runs(q, k, v):
+            return flex.attention(q, k, v, m, scale=scale)
+        impl = "sdpa" if impl == "flex" else impl  # flex cannot run here: SDPA with the same mask
+        if segments is not None or prefix is not None:  # the causal rule, a mask and a window: as below
+            mask, causal, window = flex.dense(m, device=q.device), False, None
     if window is not None:
         mask, causal = _with_window(window, t, s, causal=causal, mask=mask, device=q.device), False
     if impl not in IMPLS:
@@ -148,6 +173,26 @@ def attention(
             mask = causal_mask(t, s, device=q.device) if causal else torch.ones(t, s, dtype=torch.bool, device=q.device)
         return invariant.attention(q, k, v, scale=scale, mask=mask)
     return _math(q, k, v, causal=causal, scale=scale, mask=mask)
+
+
+def _check_packed(
+    b: int, t: int, s: int, *, causal: bool, segments: torch.Tensor | None, prefix: int | torch.Tensor | None
+) -> None:
+    """Raise unless ``segments`` / ``prefix`` fit :func:`attention`'s shapes (each with ``causal``)."""
+    if (segments is not None or prefix is not None) and not causal:
+        raise ValueError("attention: segments (packed rows) and prefix (prefix-LM) refine the causal rule: "
+                         "pass causal=True, or an explicit mask instead")  # fmt: skip
+    if segments is not None and (segments.dim() != 2 or segments.is_floating_point() or segments.shape[0] != b
+                                 or segments.shape[1] != t or t != s):  # fmt: skip
+        raise ValueError(f"attention: segments {tuple(segments.shape)} {segments.dtype} must be (B, T) = {(b, t)} "
+                         f"int document ids, with as many keys as queries (got S={s})")  # fmt: skip
+    if segments is not None and prefix is not None:
+        raise ValueError("attention: segments and prefix together are not supported; pass an explicit mask")
+    if isinstance(prefix, torch.Tensor) and (prefix.dim() != 1 or prefix.shape[0] != b or prefix.is_floating_point()):
+        raise ValueError(f"attention: prefix {tuple(prefix.shape)} {prefix.dtype} must be (B,) = ({b},) int lengths")
+    if prefix is not None and not isinstance(prefix, torch.Tensor) and (not isinstance(prefix, int)
+                                                                        or isinstance(prefix, bool) or prefix < 0):
+        raise ValueError(f"attention: prefix={prefix!r} must be an int >= 0 or a (B,) int tensor of lengths")
 
 
 def _with_window(

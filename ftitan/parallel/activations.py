@@ -182,10 +182,8 @@ def attention(
     if segments is not None and not causal:
         raise ValueError("attention: segments (packed documents) come with causal=True")
     if layout is None or layout.sizes["cp"] == 1:
-        if segments is not None:
-            return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=nn.document_mask(segments),
-                                window=window)  # fmt: skip
-        return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale, window=window)
+        # segments as such: FlexAttention builds its block mask from them (the others materialize it)
+        return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale, window=window, segments=segments)
     if window is not None and (not causal or not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"attention: window={window!r} under context parallelism needs causal=True and an int >= 1")
     cp, group = layout.sizes["cp"], layout.group("cp")
