@@ -11,11 +11,16 @@
     ftitan bench checkpoint [--state-mib 1024 --rounds 5 --out FILE]
     ftitan bench rl [--recipe llama3-debug --rl-steps 12 --out FILE]
     ftitan bench flexshard [--nproc 4 --rounds 5 --out FILE]
+    ftitan bench attention [--seq-lens 256 1024 2048 --out FILE]
+    ftitan bench remat [--policies none full save-matmuls ... --out FILE]
+    ftitan bench compile [--n-layers 16 --rounds 5 --out FILE]
+    ftitan bench kernels [--kernels rms_norm rope ... --out FILE]    (CUDA; --quick on CPU under TRITON_INTERPRET=1)
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 import warnings
@@ -36,7 +41,11 @@ USAGE = """usage:
   ftitan bench generate [options]                                                  (ftitan bench generate --help)
   ftitan bench checkpoint [options]                                                (ftitan bench checkpoint --help)
   ftitan bench rl [options]                                                        (ftitan bench rl --help)
-  ftitan bench flexshard [options]                                                 (ftitan bench flexshard --help)"""
+  ftitan bench flexshard [options]                                                 (ftitan bench flexshard --help)
+  ftitan bench attention [options]                                                 (ftitan bench attention --help)
+  ftitan bench remat [options]                                                     (ftitan bench remat --help)
+  ftitan bench compile [options]                                                   (ftitan bench compile --help)
+  ftitan bench kernels [options]                                                   (ftitan bench kernels --help)"""
 
 
 @attrs.frozen(kw_only=True)
@@ -218,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(argv)
 
 
+# ``ftitan bench NAME``: the module ftitan.bench.NAME, whose ``main(argv)`` runs it
+BENCHES = ("step", "parallel", "generate", "checkpoint", "flexshard", "attention", "remat", "kernels", "compile", "rl")
+
+
 def _dispatch(argv: list[str]) -> int:
     if argv[:1] == ["train"]:
         return train_main(argv[1:])
@@ -227,30 +240,8 @@ def _dispatch(argv: list[str]) -> int:
         return generate_main(argv[1:])
     if argv[:1] == ["convert"]:
         return convert_main(argv[1:])
-    if argv[:2] == ["bench", "step"]:
-        from ftitan.bench.step import main as bench_step
-
-        return bench_step(argv[2:])
-    if argv[:2] == ["bench", "parallel"]:
-        from ftitan.bench.parallel import main as bench_parallel
-
-        return bench_parallel(argv[2:])
-    if argv[:2] == ["bench", "generate"]:
-        from ftitan.bench.generate import main as bench_generate
-
-        return bench_generate(argv[2:])
-    if argv[:2] == ["bench", "checkpoint"]:
-        from ftitan.bench.checkpoint import main as bench_checkpoint
-
-        return bench_checkpoint(argv[2:])
-    if argv[:2] == ["bench", "flexshard"]:
-        from ftitan.bench.flexshard import main as bench_flexshard
-
-        return bench_flexshard(argv[2:])
-    if argv[:2] == ["bench", "rl"]:
-        from ftitan.bench.rl import main as bench_rl
-
-        return bench_rl(argv[2:])
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # each module's main(argv)
+        return importlib.import_module(f"ftitan.bench.{argv[1]}").main(argv[2:])
     print(USAGE, file=sys.stderr)
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

@@ -15,9 +15,11 @@ from ftitan.config.transforms import (
     compose,
     with_attn_impl,
     with_dim,
+    with_kernels,
     with_layers,
     with_max_seq_len,
     with_model_fields,
+    with_remat,
     with_vocab,
 )
 from ftitan.config.io import config_from_dict, config_to_dict
@@ -39,8 +41,10 @@ __all__ = [
     "validate",
     "with_attn_impl",
     "with_dim",
+    "with_kernels",
     "with_layers",
     "with_max_seq_len",
     "with_model_fields",
+    "with_remat",
     "with_vocab",
 ]

@@ -261,8 +261,8 @@ def deepseek_v3_debug_mtp() -> TrainConfig:
 
 @recipe("deepseek-v3-debug-ep")
 def deepseek_v3_debug_ep() -> TrainConfig:
-    """``deepseek-v3-debug`` on 4 processes: expert parallel 2 x FSDP 2 (eager: the expert all-to-all is
-    sized by the routing).
+    """``deepseek-v3-debug`` on 4 processes: expert parallel 2 x FSDP 2 (eager here: ``--compile True`` compiles
+    it too, the expert all-to-all having static sizes, at a long cold compile on a CPU).
 
     ``torchrun --standalone --nproc-per-node 4 -m ftitan train --recipe deepseek-v3-debug-ep``
     """

@@ -6,11 +6,13 @@ and adjusted by dotted CLI overrides (``--optim.lr 1e-3``).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import attrs
 import tyro
 
+from ftitan.config.transforms import with_kernels, with_remat
+from ftitan.kernels.op import KERNELS
 from ftitan.models import deepseek_v3, deepseek_v4, llama, muse_glimmer, qwen3, qwen3_moe, qwen3_next
 from ftitan.parallel.dims import ParallelDims
 
@@ -164,6 +166,16 @@ class RLConfig:
     kl_bound: float = 0.0  # the recipe's promise: the KL to the reference stays below this (0: none); a run above it warns
 
 
+def _valid_remat(policy: str) -> bool:
+    from ftitan.train.remat import parse_policy
+
+    try:
+        parse_policy(policy)
+    except ValueError:
+        return False
+    return True
+
+
 @attrs.frozen(kw_only=True)
 class CheckpointConfig:
     """How checkpoints are written (how often and how many: --ckpt-every, --keep)."""
@@ -197,7 +209,18 @@ class TrainConfig:
     log_every: int = 10  # steps between metric records (0: only at the end)
     ckpt_every: int = 100  # steps between checkpoints (0: only at the end)
     keep: int = 3  # checkpoints kept (the newest K)
-    compile: bool = True  # torch.compile the train step (fullgraph)
+    compile: bool | Literal["regional"] = True  # torch.compile the train step (fullgraph); "regional": each block once (docs/compile-and-memory.md)
+    remat: str = ""  # activation rematerialization of every block: "none", "full", "save-matmuls", "regions:attn", "budget:F" ("": --model.remat's)
+    kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA, references elsewhere; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
     deterministic: bool = True  # torch.use_deterministic_algorithms during the run: bit-identical reruns, compiled too (inductor's CPU scatter-adds otherwise vary in the last bits)
     seed: int = 0  # seeds init and data order
     run_dir: str = "runs/{recipe}"  # where tokenizer, metrics, checkpoints and loss.png go
+
+    def __attrs_post_init__(self) -> None:
+        # --kernels sets the model config's field, the one the model reads (config.with_kernels); an
+        # unknown name is left for validate to refuse, naming the flag
+        if self.kernels in KERNELS and self.model.kernels != self.kernels:
+            object.__setattr__(self, "model", with_kernels(self.kernels)(self.model))
+        # --remat likewise sets the model config's remat field (an invalid policy is left for validate)
+        if self.remat and self.remat != getattr(self.model, "remat", self.remat) and _valid_remat(self.remat):
+            object.__setattr__(self, "model", with_remat(self.remat)(self.model))

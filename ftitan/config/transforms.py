@@ -27,9 +27,11 @@ __all__ = [
     "model_error",
     "with_attn_impl",
     "with_dim",
+    "with_kernels",
     "with_layers",
     "with_max_seq_len",
     "with_model_fields",
+    "with_remat",
     "with_vocab",
 ]
 
@@ -82,6 +84,24 @@ def with_max_seq_len(n: int) -> ModelTransform:
 def with_attn_impl(impl: str) -> ModelTransform:
     """Transform choosing the attention kernel ("sdpa", "math", or "batch_invariant": see :func:`batch_invariant`)."""
     return with_model_fields(attn_impl=impl)
+
+
+def with_kernels(name: str) -> ModelTransform:
+    """Transform choosing the model's kernels: "torch" (plain ops), "triton" (``ftitan.kernels``: RMSNorm,
+    SwiGLU, RoPE, ... as Triton kernels on CUDA, their references elsewhere; docs/kernels.md) or "helion"
+    (Helion's kernels where ftitan has one, Triton's otherwise)."""
+    from ftitan.kernels.op import check_kernels
+
+    check_kernels(name, "--kernels")
+    return with_model_fields(kernels=name)
+
+
+def with_remat(policy: str) -> ModelTransform:
+    """Transform choosing the activation rematerialization of every block (``ftitan.train.remat``): "none",
+    "full", "save-matmuls", "regions:attn" or "budget:F" (0 < F < 1). Checked here, naming ``--model.remat``."""
+    from ftitan.train.remat import check_policy
+
+    return with_model_fields(remat=check_policy(policy, field="--model.remat"))
 
 
 def batch_invariant(cfg: Any) -> Any:

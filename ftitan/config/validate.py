@@ -16,6 +16,7 @@ import attrs
 
 from ftitan.config.schema import TrainConfig
 from ftitan.config.transforms import model_error
+from ftitan.kernels.op import KERNELS
 
 __all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
 
@@ -149,10 +150,10 @@ def _check_parallel(cfg: TrainConfig) -> None:
     if p.pp > 1 and cfg.mixed_precision.compute != "fp32":
         raise _fail("--mixed-precision.compute", cfg.mixed_precision.compute, "pipeline parallel runs in fp32 for "
                     "now; use --mixed-precision.compute fp32 with --parallel.pp > 1")  # fmt: skip
-    if cfg.compile and (p.pp > 1 or p.ep > 1):
-        why = "pipeline sends and receives" if p.pp > 1 else "the expert all-to-all, sized by the routing,"
-        raise _fail("--compile", cfg.compile, f"with --parallel.{'pp' if p.pp > 1 else 'ep'} > 1 the step runs "
-                    f"eagerly ({why} run in Python); pass --compile False")  # fmt: skip
+    # the expert all-to-all has static sizes (ftitan.parallel.expert's padded exchange): ep > 1 compiles
+    if cfg.compile is True and p.pp > 1:  # regional compiles a stage's blocks
+        raise _fail("--compile", cfg.compile, "with --parallel.pp > 1 the step runs eagerly (pipeline sends and "
+                    "receives run in Python); pass --compile regional or --compile False")  # fmt: skip
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise _fail("--data.seq-len", cfg.data.seq_len, f"context parallel needs a multiple of 2 * cp = {2 * p.cp}")
 
@@ -181,8 +182,24 @@ def _check_data(cfg: TrainConfig) -> None:
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
+def _check_compile_and_remat(cfg: TrainConfig) -> None:
+    from ftitan.train.remat import check_policy
+
+    if cfg.compile not in (True, False, "regional"):
+        raise _fail("--compile", cfg.compile, "expected True (the whole step), False (eager) or 'regional' (each "
+                    "block compiled once)")  # fmt: skip
+    if cfg.remat:
+        check_policy(cfg.remat, field="--remat")
+    if cfg.kernels and cfg.kernels not in KERNELS:
+        raise _fail("--kernels", cfg.kernels, f"expected one of {KERNELS} ('triton': ftitan.kernels on CUDA, their "
+                    "references elsewhere), or '' for the model's --model.kernels")  # fmt: skip
+    check_policy(getattr(cfg.model, "remat", "none"), field="--model.remat")
+
+
 def _check_runtime(cfg: TrainConfig) -> None:
     from ftitan.train.runtime import resolve_backend, resolve_device  # the runtime's own rules, checked early
+
+    _check_compile_and_remat(cfg)
 
     device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     resolve_backend(cfg.parallel.backend, device)

@@ -19,6 +19,8 @@ Inside, per step:
 
 ``compile=True`` (or a backend name, e.g. ``"aot_eager"``) compiles steps
 1-2 with ``fullgraph=True``; the optimizer runs eagerly on DTensors.
+``compile="regional"`` (``"regional:<backend>"``) compiles each block once
+instead (``ftitan.train.regional``).
 
 ``precision`` (``ftitan.train.MixedPrecision``) moves step 1 to its
 compute dtype: each local shard is cast before its FSDP all-gather (the
@@ -47,6 +49,7 @@ from ftitan.parallel.activations import split_sequence
 from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.rules import Sharding
 from ftitan.parallel.shard import from_local, gathered, to_local
+from ftitan.train import regional
 from ftitan.train.precision import MixedPrecision
 from ftitan.optim.masking import merge, subset
 from ftitan.train.state import Trainable, TrainState
@@ -238,7 +241,9 @@ def make_train_step(
                         return full_loss(merge(rest, selected), b)
 
                 fn = value_and_grad(local_loss, impl="autograd")
-            if compile:
+            if regional.backend_of(compile) is not None:  # "regional[:backend]": each block compiled once
+                fn = regional.regional_step(fn, regional.backend_of(compile))
+            elif compile:
                 fn = _compiled(fn, compile)
             cache[key] = fn
         return cache[key]

@@ -321,7 +321,8 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
     precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)
     step_fn = rt.make_step(model, _loss(cfg, model), opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
                            update_buffers=model.update_buffers, precision=precision,
-                           buckets=cfg.flexshard.buckets, quantize=cfg.flexshard.quantize or None)  # fmt: skip
+                           buckets=cfg.flexshard.buckets, quantize=cfg.flexshard.quantize or None,
+                           **runtime.step_options(cfg.model))  # fmt: skip
     state = init_state(policy.params, opt, rng=random.key(cfg.seed))
     reference = tree.map(torch.clone, policy.params) if rl.kl_coef else None  # the frozen initial policy
     ckpt: dict[str, Any] = {"state": state, "rl": rl_state_like(cfg, reference)}

@@ -26,11 +26,12 @@ from ftitan import tree as T
 from ftitan.config.schema import ParallelConfig
 from ftitan.models.base import Model
 from ftitan.parallel.activations import split_sequence
-from ftitan.train import rendezvous
+from ftitan.train import regional, rendezvous
 from ftitan.train.precision import MixedPrecision, apply_precision
+from ftitan.train.remat import memory_budget
 from ftitan.train.step import make_train_step
 
-__all__ = ["Runtime", "resolve_backend", "resolve_device", "setup"]
+__all__ = ["Runtime", "resolve_backend", "resolve_device", "setup", "step_options"]
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -149,18 +150,32 @@ class Runtime:
         opt: Any,
         *,
         accum_steps: int,
-        compile: bool,
+        compile: bool | str,
         update_buffers: Any,
         precision: MixedPrecision | None = None,
         trainable: Any = None,
         buckets: str = "per_layer",
         quantize: str | None = None,
+        remat: str = "none",
+        kernels: str = "torch",
+        attn_impl: str = "sdpa",
     ) -> Callable:
+        """The run's train step. ``compile``: True (whole step, fullgraph), False, or ``"regional"`` (each block
+        compiled once, ``ftitan.train.regional``; ``"regional:<backend>"`` picks the backend). ``remat``: the
+        model config's policy (``ftitan.train.remat``): with it, or regional, gradients come from the
+        autograd path (saved-tensor hooks and compiled regions are refused under torch.func), the same gradients.
+        So they do for the model config's ``kernels`` other than "torch" (``ftitan.kernels`` step aside for their
+        references under torch.func) and ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
+        region = regional.backend_of(compile)
         if self.layout is None:
+            autograd = region is not None or remat != "none" or kernels != "torch" or attn_impl in ("flex", "auto")
+            grad_impl = "autograd" if autograd else "func"
             # the loop never reads a state twice: the step writes the new one into its buffers
             step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True,
-                                   precision=precision, trainable=trainable)  # fmt: skip
-            return torch.compile(step, fullgraph=True) if compile else step
+                                   precision=precision, trainable=trainable, grad_impl=grad_impl)  # fmt: skip
+            if region is not None:
+                return regional.regional_step(step, region)
+            return _with_budget(torch.compile(step, fullgraph=True), remat) if compile else step
         if accum_steps != 1:
             raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "
                              "(under pp, --parallel.pp-microbatches splits it)")  # fmt: skip
@@ -168,11 +183,13 @@ class Runtime:
             if precision is not None and not precision.is_full:
                 raise ValueError("--mixed-precision.compute: pipeline parallel runs in fp32 for now; "
                                  "use --mixed-precision.compute fp32 with --parallel.pp > 1")  # fmt: skip
-            return parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
+            step = parallel.make_train_step(None, opt, self.layout, grad_fn=self._pipeline(model),
                                             update_buffers=update_buffers)  # fmt: skip
-        return parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers,
+            return step if region is None else regional.regional_step(step, region)  # blocks of each stage
+        step = parallel.make_train_step(loss_fn, opt, self.layout, compile=compile, update_buffers=update_buffers,
                                         precision=precision, trainable=trainable, buckets=buckets,
                                         quantize=quantize)  # fmt: skip
+        return _with_budget(step, remat) if compile and region is None else step
 
     def data_rank(self) -> tuple[int, int]:
         """``(index, count)``: which slice of each global batch's rows this rank trains on."""
@@ -238,6 +255,25 @@ class Runtime:
         """Leave the process group this runtime joined (the world's ranks all call it)."""
         if self.layout is not None and self._owns_group:
             parallel.shutdown()
+
+
+def step_options(model_cfg: Any) -> dict[str, str]:
+    """What :meth:`Runtime.make_step` reads from a model config: its ``remat``, ``kernels`` and ``attn_impl``
+    (which pick the autograd gradient path; configs without a field get the default)."""
+    return {"remat": getattr(model_cfg, "remat", "none"), "kernels": getattr(model_cfg, "kernels", "torch"),
+            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa")}  # fmt: skip
+
+
+def _with_budget(step: Callable, policy: str) -> Callable:
+    """A compiled ``step`` compiled (and run) under the activation memory budget of a ``budget:F`` remat policy."""
+    if not policy.startswith("budget:"):
+        return step
+
+    def run(*args: Any) -> Any:
+        with memory_budget(policy):
+            return step(*args)
+
+    return run
 
 
 def _ce_only(loss_fn: Any) -> Any:

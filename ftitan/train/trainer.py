@@ -162,7 +162,8 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool) -
     precision = MixedPrecision.from_names(mp.param, mp.compute, mp.reduce).for_model(model)
     step_fn = rt.make_step(model, loss_fn, opt, accum_steps=cfg.accum_steps, compile=cfg.compile,
                            update_buffers=model.update_buffers, precision=precision, trainable=trainable,
-                           buckets=cfg.flexshard.buckets, quantize=cfg.flexshard.quantize or None)  # fmt: skip
+                           buckets=cfg.flexshard.buckets, quantize=cfg.flexshard.quantize or None,
+                           **runtime.step_options(cfg.model))  # fmt: skip
     params = _initial_params(cfg, rt, model)
     reference = post.reference_of(cfg, model, params, lambda: _initial_params(cfg, rt, model))  # DPO only
     state: TrainState = init_state(params, opt, rng=random.key(cfg.seed), trainable=trainable)

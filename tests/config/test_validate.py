@@ -85,7 +85,6 @@ def test_each_rule_names_its_flag(changes, flag):
         (2, dict(parallel__pp=2, data__batch_size=6, compile=False), "--parallel.pp-microbatches"),  # 6 rows, 4 micro
         (8, dict(parallel__pp=8, compile=False), "--parallel.pp=8"),  # 4 layers
         (2, dict(parallel__pp=2), "--compile"),  # the pipeline runs eagerly
-        (2, dict(parallel__ep=2), "--compile"),
     ],
 )
 def test_parallel_rules_under_torchrun_name_their_flag(monkeypatch, world, changes, flag):
@@ -93,6 +92,13 @@ def test_parallel_rules_under_torchrun_name_their_flag(monkeypatch, world, chang
     with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
         config.validate(_with(_base(), **changes))
     config.validate(_with(_base(), parallel__dp_shard=world))  # the right degrees pass
+
+
+def test_expert_parallel_compiles(monkeypatch):
+    # the padded expert exchange has static all-to-all sizes: ep > 1 takes --compile (and regional)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for compile in (True, "regional"):
+        config.validate(_with(_base(), parallel__ep=2, compile=compile))
 
 
 def test_valid_variants_pass(tmp_path):
