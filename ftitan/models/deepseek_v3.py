@@ -390,7 +390,9 @@ def _stage(
                                                            segments=segments), mla_cfg)  # fmt: skip
 
     def block(i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, Any]:
-        return _block(cfg, mla_cfg, moe_cfg, p, h, cos, sin, attend=attend, dense=i < cfg.n_dense_layers)
+        # dense or MoE from the params (a dict key dynamo guards once per kind), not the index: under regional
+        # compile (ftitan.train.regional) a block that read `i` would compile once per layer
+        return _block(cfg, mla_cfg, moe_cfg, p, h, cos, sin, attend=attend, dense="mlp" in p)
 
     return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
                              segments=segments)  # fmt: skip
