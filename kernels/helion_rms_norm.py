@@ -27,6 +27,7 @@ import helion.language as hl
 import torch
 
 from ftitan.kernels import op
+from ftitan.kernels.rms_norm import norm_function
 from ftitan.nn import norm
 
 __all__ = ["rms_norm", "rms_norm_reference"]
@@ -106,22 +107,7 @@ _BWD = op.define("helion_rms_norm_bwd", "(Tensor dy, Tensor x, Tensor w, Tensor 
                  _bwd_impl, _bwd_fake)  # fmt: skip
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(x, w, eps):  # type: ignore[no-untyped-def,override]
-        return _FWD(x, w, eps)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, w, _ = inputs
-        ctx.save_for_backward(x, w, output[1])
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor, _drstd: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = _BWD(dy, x, w, rstd)
-        return dx, dw, None
+_RMSNorm = norm_function(lambda *a: _FWD(*a), lambda *a: _BWD(*a))  # the Triton RMSNorm's Function, Helion ops
 
 
 def rms_norm_reference(

@@ -141,22 +141,32 @@ _bwd_op = op.define("rms_norm_bwd", "(Tensor dy, Tensor x, Tensor w, Tensor rstd
 # ---------------------------------------------------------------- autograd (the ops, never the reference)
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return _fwd_op(x, w, eps)
+def norm_function(fwd: Any, bwd: Any) -> type[torch.autograd.Function]:
+    """The autograd Function of an RMSNorm kernel pair: ``fwd(x, w, eps) -> (y, rstd)`` and
+    ``bwd(dy, x, w, rstd) -> (dx, dw)`` ops (this module's Triton ones, or the Helion ones of
+    ``ftitan.kernels.helion_rms_norm``); backward calls ``bwd``, never the reference."""
 
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, w, _ = inputs
-        ctx.save_for_backward(x, w, output[1])
-        ctx.mark_non_differentiable(output[1])
+    class _RMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+            return fwd(x, w, eps)
 
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor, _drstd: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        x, w, rstd = ctx.saved_tensors
-        dx, dw = _bwd_op(dy, x, w, rstd)
-        return dx, dw, None
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            x, w, _ = inputs
+            ctx.save_for_backward(x, w, output[1])
+            ctx.mark_non_differentiable(output[1])
+
+        @staticmethod
+        def backward(ctx: Any, dy: torch.Tensor, _drstd: Any) -> tuple[Any, ...]:  # type: ignore[override]
+            x, w, rstd = ctx.saved_tensors
+            dx, dw = bwd(dy, x, w, rstd)
+            return dx, dw, None
+
+    return _RMSNorm
+
+
+_RMSNorm = norm_function(lambda *a: _fwd_op(*a), lambda *a: _bwd_op(*a))  # looked up per call (tests spy on them)
 
 
 # ---------------------------------------------------------------- public
