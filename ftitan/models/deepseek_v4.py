@@ -128,7 +128,7 @@ class Config:
     n_mtp_layers: int = 0  # multi-token-prediction modules (the checkpoints have 1; transformers builds none)
     mtp_loss_weight: float = 0.3  # weight of the mean MTP cross-entropy in the training loss (V3's first lambda)
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs get init_std/sqrt(2L)
-    kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
+    kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
 
     def __attrs_post_init__(self) -> None:

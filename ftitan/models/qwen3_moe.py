@@ -105,7 +105,7 @@ class Config:
     # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
-    kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
+    kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 

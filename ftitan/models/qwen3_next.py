@@ -109,7 +109,7 @@ class Config:
     max_seq_len: int = 262_144  # HF max_position_embeddings
     tie_embeddings: bool = False  # output head reuses the embedding table
     attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math", "flex" or "auto" (nn.attention) for the full-attention layers
-    kernels: str = "torch"  # "torch" (plain ops) or "triton" (ftitan.kernels: Triton on CUDA, their references elsewhere)
+    kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     chunk: int = 64  # tokens per chunk of the chunked delta rule (training, prefill)
     init_std: float = 0.02  # std of the normal init; residual outputs get init_std / sqrt(2L)
