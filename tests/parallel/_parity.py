@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import attrs
 import torch
@@ -250,6 +251,11 @@ def main() -> None:
     checks = all_checks()
     names = sys.argv[1:] or list(checks)
     for name in names:
+        # each check compiles from scratch, as in a process of its own: the steps of two checks share code
+        # objects (make_train_step's closure), and a second compile of one with other shapes would turn on
+        # dynamo's automatic dynamic shapes (one symbolic aot_eager compile took over 10 minutes)
+        torch._dynamo.reset()
+        start = time.perf_counter()
         try:
             result = checks[name]()
         except Exception as e:  # report, keep going: one launch runs every layout
@@ -257,7 +263,7 @@ def main() -> None:
             if os.environ.get("FTITAN_RAISE"):
                 raise
         if dist.get_rank() == 0:
-            print("RESULT " + json.dumps(result), flush=True)
+            print("RESULT " + json.dumps({**result, "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     parallel.shutdown()
 
 

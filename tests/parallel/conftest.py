@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def launch(script: str, *args: str, nproc: int = 4, timeout: int = 2400) -> dict[str, dict]:
+def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[str, dict]:
     """Run ``script`` under torchrun (``nproc=0``: one plain process, e.g. fake ranks);
     ``{check name: result}`` from its ``RESULT {...}`` lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
