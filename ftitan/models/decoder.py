@@ -322,24 +322,33 @@ def run_stage(
     cache: Any = None,
     segments: torch.Tensor | None = None,  # (B, T) int document ids: attention stays within a document
     final_norm: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,  # default: norm
+    layer_kind: Callable[[int], Any] | None = None,  # for a block that reads its index: see below
 ) -> StageOut:  # h (B, T, D), {layer: router stats}, cache
     """Embed (``first``), ``block`` over ``layers`` in order, final norm (``last``): the layer loop every
     family's ``stage`` (and so its ``apply``) runs. The last stage's output is whole on every tp rank
     (ready for the head), the others' are in the residual-stream layout (split along the sequence under
     sequence parallelism). With a ``cache`` (``base.AttentionCache``) each layer attends through it, and
     the cache every layer wrote to is returned. Without one (training) ``block`` runs under ``cfg.remat``
-    (``ftitan.train.remat``) and, inside ``ftitan.train.regional.compiling``, compiled once for all layers."""
+    (``ftitan.train.remat``) and, inside ``ftitan.train.regional.compiling``, compiled once for all layers.
+
+    A block that reads its index ``i`` (a per-layer window or RoPE base) would compile once per layer
+    there; ``layer_kind(i)`` names what the block reads of ``i`` (layers of one kind run the same
+    computation), and the compiled region is then called with the first index of each kind: one compile
+    per kind."""
     from ftitan.train import regional, remat  # block transforms (ftitan.train imports the models)
 
     h = par.embed(x, params["embed"]) if first else x
     stats = {}
+    kinds = None  # {kind: the first layer of that kind}, under regional compile
     if cache is None:  # training: remat (cfg.remat) and regional compile (regional.compiling) of the block
         block = remat.remat_block(getattr(cfg, "remat", "none"), block, layers)
         backend = regional.current_backend()
         block = block if backend is None else functools.partial(regional.block_call, backend, block)
+        kinds = {} if backend is not None and layer_kind is not None else None
     for i in layers:  # explicit order: dict/optree order would put "10" before "2"
         attend, written = layer_attention(cache, i, segments)
-        h, s = block(i, params["layers"][str(i)], h, attend)
+        j = i if kinds is None else kinds.setdefault(layer_kind(i), i)
+        h, s = block(j, params["layers"][str(i)], h, attend)
         cache = written()
         if s is not None:
             stats[i] = s

@@ -302,8 +302,9 @@ def _stage(
 
     if first:  # the normed embedding enters as a later stage's input would
         x = _unit_norm(par.embed(x, params["embed"]), cfg.norm_eps, inv=inv)
+    # the block reads its index only for the layer's RoPE base and window: one regional compile per pair
     return decoder.run_stage(cfg, params, x, block, layers=layers, first=False, last=last, cache=cache,
-                             segments=segments)  # fmt: skip
+                             segments=segments, layer_kind=lambda i: (cfg.thetas[i], cfg.windows[i]))  # fmt: skip
 
 
 def _apply(

@@ -14,8 +14,10 @@ block reads it. So a block that does not branch on the index compiles once
 for all layers (tests count it with ``torch._dynamo.config.error_on_recompile``);
 a family whose layers differ by params (Qwen3-Next: linear vs full
 attention, MoE vs dense) compiles once per kind. A block that reads the
-index itself (Muse Glimmer's per-layer window) specializes on it: one compile
-per index it distinguishes (DeepSeek-V3 tells dense from MoE blocks by their params).
+index itself would specialize on it, one compile per layer: its family passes
+``run_stage`` a ``layer_kind`` (Muse Glimmer: the layer's RoPE base and window)
+and each layer runs as the first layer of its kind (DeepSeek-V3 tells dense
+from MoE blocks by their params).
 
 The rest of the step (embedding, loss, optimizer) runs eagerly; the eager
 optimizer update is most of the step-time gap to a whole-step compile on CPU

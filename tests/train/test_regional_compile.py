@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import ftitan as ft
 from ftitan import tree as T
-from ftitan.models import deepseek_v3, llama, qwen3_moe, qwen3_next
+from ftitan.models import deepseek_v3, llama, muse_glimmer, qwen3_moe, qwen3_next
 from ftitan.train import regional
 from ftitan.train.step import value_and_grad
 
@@ -22,6 +22,8 @@ TINY = {
                                   expert_dim=16, ffn_dim=64)),  # fmt: skip
     "qwen3_next": (qwen3_next, dict(vocab_size=128, n_layers=4)),  # layers: 3 Gated DeltaNet, 1 attention
     "deepseek_v3": (deepseek_v3, dict(vocab_size=128, n_layers=4, n_dense_layers=1)),  # 1 dense, 3 MoE blocks
+    # 3 sliding-window RoPE layers, 1 global NoPE layer (window 8 < T: the windows mask)
+    "muse_glimmer": (muse_glimmer, dict(vocab_size=128, n_layers=4, window=8)),
 }
 
 
@@ -66,10 +68,12 @@ def test_one_compile_serves_every_layer_without_recompiles():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-@pytest.mark.parametrize(("family", "kinds"), [("qwen3_moe", 1), ("qwen3_next", 2), ("deepseek_v3", 2)])
+@pytest.mark.parametrize(("family", "kinds"), [("qwen3_moe", 1), ("qwen3_next", 2), ("deepseek_v3", 2),
+                                               ("muse_glimmer", 2)])  # fmt: skip
 def test_one_region_per_layer_kind(family, kinds):
     """Qwen3-Next's linear-attention and full-attention layers (DeepSeek-V3's dense and MoE blocks) differ by
-    their params' keys: two graphs for four layers; a second step compiles nothing new."""
+    their params' keys, Muse Glimmer's by the (RoPE base, window) its block reads for the layer index
+    (``run_stage``'s ``layer_kind``): two graphs for four layers; a second step compiles nothing new."""
     model = tiny(family)
     params, b = model.init(ft.random.key(0)), batch()
     regional_grads(model, params, b, steps=1)
