@@ -19,10 +19,13 @@ index itself would specialize on it, one compile per layer: its family passes
 and each layer runs as the first layer of its kind (DeepSeek-V3 tells dense
 from MoE blocks by their params).
 
-The rest of the step (embedding, loss, optimizer) runs eagerly; the eager
-optimizer update is most of the step-time gap to a whole-step compile on CPU
-(:func:`compiled_update` compiles it as a region of its own, at a compile cost
-that grows with the number of leaves: see docs/compile-and-memory.md); gradients
+The rest of the step (embedding, loss, optimizer) runs eagerly. The eager
+update, a dozen passes over every parameter and moment, is most of the
+step-time gap to a whole-step compile on CPU; ``make_train_step(update_backend=...)``
+compiles the half of the step after the gradients (update, applying it, the
+donated writes) on its own and closes it, at a compile cost that grows with
+the number of leaves (``ftitan bench compile``'s ``regional-update`` peer;
+docs/compile-and-memory.md), so ``--compile regional`` leaves it eager. Gradients
 come from ``torch.autograd`` (``make_train_step(grad_impl="autograd")``): a
 compiled region under ``torch.func.grad`` is refused by dynamo with
 ``fullgraph=True`` in torch 2.13 ("Unsupported functorch tracing attempt").
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["backend_of", "block_call", "compiled_update", "compiling", "current_backend", "regional_step"]
+__all__ = ["backend_of", "block_call", "compiling", "current_backend", "regional_step"]
 
 _active: list[str] = []  # the backends of the enclosing ``compiling`` contexts (innermost last)
 
@@ -104,9 +107,3 @@ def regional_step(step: Callable[..., Any], backend: str) -> Callable[..., Any]:
 
     return run
 
-
-def compiled_update(optimizer: Any, backend: str) -> Any:
-    """``optimizer`` (an ``optim.Transform``) with its ``update`` compiled on its own (``backend``), for a
-    regional step that should also fuse the optimizer's pointwise math (not the runtime's default: its compile
-    grows with the leaves). Not fullgraph: a transform may branch on values (non-finite guards)."""
-    return type(optimizer)(optimizer.init, torch.compile(optimizer.update, backend=backend, dynamic=False))

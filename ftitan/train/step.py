@@ -120,6 +120,7 @@ def make_train_step(
     donate: bool = False,
     trainable: Trainable | None = None,
     precision: MixedPrecision | None = None,
+    update_backend: str | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, torch.Tensor]]]:
     """A pure train step: ``step(state, batch) -> (state, metrics)``.
 
@@ -169,6 +170,11 @@ def make_train_step(
     differentiated function (:meth:`~ftitan.train.MixedPrecision.cast_loss`):
     params, gradients and optimizer state stay in the masters' dtype, the
     loss is float32. ``None`` or ``MixedPrecision()`` is the float32 step.
+
+    ``update_backend`` (a ``torch.compile`` backend) compiles the half of the step after the gradients
+    on its own: the optimizer update, applying it, the metrics and, with ``donate``, the writes into the
+    old buffers, fused into a few loops. For a step whose gradient half runs eagerly or regionally
+    compiled (``ftitan.train.regional``); a step compiled whole needs it not.
     """
     if accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps={accum_steps} must be >= 1")
@@ -186,11 +192,17 @@ def make_train_step(
         )
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        train, merge, fn = split_trainable(state.params)
+        train, _, fn = split_trainable(state.params)
         if accum_steps == 1:
             grads, (loss, aux) = fn(train, batch)
         else:
             grads, loss, aux = _accumulate(fn, train, batch, accum_steps)
+        return finish(state, grads, loss, aux)
+
+    def update(
+        state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor]
+    ) -> tuple[TrainState, dict[str, torch.Tensor]]:
+        train, merge, _ = split_trainable(state.params)
         extra = {"weight": aux["n_tokens"]} if weighted and "n_tokens" in aux else {}
         updates, opt_state = optimizer.update(grads, state.opt_state, train, **extra)
         params = merge(optim.apply_updates(train, updates))
@@ -204,4 +216,7 @@ def make_train_step(
             params, opt_state = _donate((state.params, state.opt_state), (params, opt_state))
         return TrainState(state.step + 1, params, opt_state, state.rng), metrics
 
+    # not fullgraph: a transform may branch on values (optim.apply_if_finite); dynamic=False: params keep their
+    # shapes, and another step's update compiled from this same code must not turn this one's sizes symbolic
+    finish = update if update_backend is None else torch.compile(update, backend=update_backend, dynamic=False)
     return step

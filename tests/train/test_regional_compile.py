@@ -164,12 +164,23 @@ def test_cli_run_with_regional_compile_and_full_remat(tmp_path):
     assert cfg["compile"] == "regional" and cfg["model"]["remat"] == "full"
 
 
-def test_compiled_update_is_the_same_optimizer():
+def test_update_half_compiled_apart_is_the_same_step():
+    """``make_train_step(update_backend=...)`` (what ``--compile regional`` runs): the optimizer update, its
+    application and the donated writes compiled on their own give the eager step's params and moments
+    (aot_eager: the same aten ops, 1e-6), in the donated buffers; a second step compiles nothing new."""
     model = tiny("llama")
     params, b = model.init(ft.random.key(0)), batch()
     opt = ft.optim.adamw(1e-2)
     loss_fn = ft.train.next_token_loss(model)
-    step = ft.train.make_train_step(loss_fn, regional.compiled_update(opt, "aot_eager"))
-    got, _ = step(ft.train.init_state(T.map(torch.clone, params), opt), b)
-    want, _ = ft.train.make_train_step(loss_fn, opt)(ft.train.init_state(T.map(torch.clone, params), opt), b)
-    assert_close_trees(got.params, want.params, rtol=1e-6, atol=1e-7)
+    step = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True, update_backend="aot_eager")
+    eager = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True)
+    got, want = (ft.train.init_state(T.map(torch.clone, params), opt) for _ in range(2))
+    buffers = [x.data_ptr() for x in T.leaves((got.params, got.opt_state))]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            got, m = step(got, b)
+            want, m_want = eager(want, b)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert_close_trees((got.params, got.opt_state), (want.params, want.opt_state), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m["grad_norm"], m_want["grad_norm"])
+    assert [x.data_ptr() for x in T.leaves((got.params, got.opt_state))] == buffers
