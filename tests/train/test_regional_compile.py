@@ -165,7 +165,7 @@ def test_cli_run_with_regional_compile_and_full_remat(tmp_path):
 
 
 def test_update_half_compiled_apart_is_the_same_step():
-    """``make_train_step(update_backend=...)`` (what ``--compile regional`` runs): the optimizer update, its
+    """``make_train_step(update_backend=...)`` (``bench compile``'s regional-update peer): the optimizer update, its
     application and the donated writes compiled on their own give the eager step's params and moments
     (aot_eager: the same aten ops, 1e-6), in the donated buffers; a second step compiles nothing new."""
     model = tiny("llama")
