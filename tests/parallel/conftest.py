@@ -31,9 +31,33 @@ def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[
     return results
 
 
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> dict[str, dict]:
+    """``make()`` (JSON results) once per test run: under pytest-xdist (``make test`` runs ``-n 2``) the first
+    worker to ask runs it, behind a file lock, and leaves the results (or its failure) where the other
+    worker reads them, so a 4-rank gloo launch is not run once per worker."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make()
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"  # the run's directory, shared by the workers
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            if "failed" in saved:
+                raise AssertionError(saved["failed"])
+            return saved
+        try:
+            results = make()
+        except AssertionError as e:
+            path.write_text(json.dumps({"failed": str(e)}))
+            raise
+        path.write_text(json.dumps(results))
+        return results
+
+
 @pytest.fixture(scope="session")
-def parity_results() -> dict[str, dict]:
-    return launch("_parity.py")
+def parity_results(tmp_path_factory) -> dict[str, dict]:
+    return once_per_run(tmp_path_factory, "parity_results", lambda: launch("_parity.py"))
 
 
 @pytest.fixture(scope="session")
@@ -50,5 +74,5 @@ def fake_ranks() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
-def parity_results_8() -> dict[str, dict]:
-    return launch("_parity.py", nproc=8)
+def parity_results_8(tmp_path_factory) -> dict[str, dict]:
+    return once_per_run(tmp_path_factory, "parity_results_8", lambda: launch("_parity.py", nproc=8))
