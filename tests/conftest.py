@@ -9,9 +9,17 @@ os.environ.setdefault("TRITON_CACHE_DIR", str(_CACHE / "triton"))
 # the Triton kernels of ftitan.kernels run on CPU tensors in the interpreter (set before triton is imported)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# threads per test process: the cores shared among pytest-xdist's workers (make test runs two). Two workers of
+# two threads each on two cores ran tests/models + tests/train in 7m37s against 4m23s with one thread each:
+# oversubscribed OpenMP threads spin while they wait for each other. Subprocesses (CLI runs, vLLM) inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(_THREADS)
 
 
 import json  # noqa: E402
