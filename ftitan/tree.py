@@ -33,6 +33,8 @@ PathPredicate = Callable[[str, Any], bool]
 
 __all__ = [
     "NAMESPACE",
+    "NotPartitionable",
+    "as_part_of",
     "cast",
     "combine",
     "flatten",
@@ -55,6 +57,7 @@ __all__ = [
     "structure",
     "unflatten",
     "unstack",
+    "whole_of",
     "zeros_like",
 ]
 
@@ -231,7 +234,11 @@ def global_norm(tree: Tree) -> torch.Tensor:
 
     Inside :func:`norm_across`, the sum of squares is first combined with the
     other processes' (a tree split across pipeline stages has one norm).
+    Inside :func:`as_part_of`, the part's gradients give the whole tree's norm.
     """
+    whole = whole_of(tree, "sum_squares")
+    if whole is not None:
+        return torch.sqrt(whole)
     xs = [x for x in leaves(tree) if is_tensor(x)]
     if not xs:
         return torch.zeros(())
@@ -261,6 +268,50 @@ def norm_is_combined() -> bool:
     """Whether :func:`global_norm` combines with other processes here (inside :func:`norm_across`):
     then the tree at hand is only this process's part of the whole."""
     return bool(_NORM_ACROSS)
+
+
+class NotPartitionable(RuntimeError):
+    """A whole-tree statistic was asked of a part's tree other than the gradients :func:`as_part_of` knows."""
+
+
+_PARTS: list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = []
+
+
+@contextlib.contextmanager
+def as_part_of(grads: Tree, **whole: torch.Tensor) -> Iterator[None]:
+    """Inside, ``grads`` (one part of a gradient tree, e.g. one layer's) stands for the whole tree in the
+    statistics that span it: ``global_norm(grads)`` is ``sqrt(whole["sum_squares"])`` and
+    ``optim.nonfinite_leaves(grads)`` is ``whole["nonfinite"]`` (the whole tree's flags, in its leaf order).
+
+    An optimizer update that reads the whole only through those two (``Transform.leafwise``) then gives,
+    run on each part in turn, the whole update (``ftitan.train.regional``: the update compiled once per
+    layer). Another tree of the part's structure (e.g. the norm of an Adam direction) has no whole value
+    here: asking raises :class:`NotPartitionable`; trees of other structures (a 0-d marker) are their own.
+    Traceable by dynamo (a compiled part's update sets it inside the compiled function)."""
+    _PARTS.append((leaves(grads), whole))
+    try:
+        yield
+    finally:
+        _PARTS.pop()
+
+
+def whole_of(tree: Tree, stat: str) -> torch.Tensor | None:
+    """Inside :func:`as_part_of`, the whole tree's ``stat`` when ``tree`` is the part's gradients; ``None``
+    outside, or for a tree of another structure; raises :class:`NotPartitionable` for another tree of the
+    part's structure."""
+    if not _PARTS:
+        return None
+    grads, whole = _PARTS[-1]
+    xs = leaves(tree)
+    if len(xs) == len(grads) and all(a is b for a, b in zip(xs, grads, strict=True)):
+        return whole[stat]
+    # the part's structure, told by its leaves' shapes (traceable by dynamo, unlike comparing optree specs)
+    if len(xs) == len(grads) and all(is_tensor(a) and a.shape == b.shape for a, b in zip(xs, grads, strict=True)):
+        raise NotPartitionable(
+            f"a whole-tree {stat} of a part's tree other than its gradients; this optimizer cannot run by parts "
+            "(mark the transform leafwise=False)"
+        )
+    return None
 
 
 def zeros_like(tree: Tree, *, dtype: torch.dtype | None = None) -> Tree:

@@ -139,7 +139,7 @@ def scale_by_adam(
             mu = tree.map(lambda m: m.to(mu_dtype), mu)
         return updates, ScaleByAdamState(step=step, mu=mu, nu=nu)
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def adam(

@@ -42,4 +42,4 @@ def clip_by_global_norm(max_norm: float | torch.Tensor) -> Transform:
         factor = bound / torch.clamp(norm, min=bound)
         return tree.map(lambda g: g * factor.to(g.device), grads), state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)

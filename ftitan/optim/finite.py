@@ -28,6 +28,9 @@ class ApplyIfFiniteState(NamedTuple):
 
 def all_finite(t: Updates) -> torch.Tensor:
     """A 0-d bool tensor: every element of every tensor leaf is finite (True for no leaves)."""
+    whole = tree.whole_of(t, "nonfinite")  # inside tree.as_part_of: the whole tree's verdict
+    if whole is not None:
+        return ~whole.any()
     flags = [torch.isfinite(x).all() for x in tree.leaves(t) if tree.is_tensor(x)]
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
 
@@ -39,6 +42,9 @@ def nonfinite_leaves(t: Updates) -> torch.Tensor:
     non-finite elements is a partial sum over its shards (a replicated leaf's is whole), and the
     stacked counts are combined at once, the way ``tree.global_norm`` combines squares.
     """
+    whole = tree.whole_of(t, "nonfinite")  # inside tree.as_part_of: the whole tree's flags
+    if whole is not None:
+        return whole
     counts = [(~torch.isfinite(x)).sum() for x in tree.leaves(t) if tree.is_tensor(x)]
     if not counts:
         return torch.zeros(0, dtype=torch.bool)
@@ -120,7 +126,7 @@ def apply_if_finite(inner: Transform, max_consecutive_errors: int, *, halt: bool
                                  bad_leaf, halted)  # fmt: skip
         return updates, new
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=inner.leafwise)
 
 
 def find_finite_guard(opt_state: State) -> ApplyIfFiniteState | None:

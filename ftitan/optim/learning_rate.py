@@ -80,7 +80,7 @@ def scale_by_learning_rate(lr: float | torch.Tensor | Schedule) -> Transform:
         updates = tree.map(lambda g: g * factor, grads)
         return updates, ScaleByLearningRateState(step=state.step + 1, lr=step_lr.to(state.lr.dtype))
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def learning_rates(opt_state: Any) -> dict[str, torch.Tensor]:

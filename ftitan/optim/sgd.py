@@ -56,7 +56,7 @@ def trace(momentum: float | torch.Tensor, nesterov: bool = False) -> Transform:
             updates = tree.map(lambda t, g: t.to(g.dtype), new, grads)
         return updates, TraceState(trace=new)
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def sgd(

@@ -58,10 +58,21 @@ class UpdateFn(Protocol):
 
 
 class Transform(NamedTuple):
-    """An optimizer or a piece of one: ``init(params)`` and ``update(grads, state, params)``."""
+    """An optimizer or a piece of one: ``init(params)`` and ``update(grads, state, params)``.
+
+    ``leafwise``: ``update`` computes each leaf's update and state from that leaf's gradient, state and
+    param and the state's scalars (step counts, learning rates) alone, reading the whole tree only through
+    ``tree.global_norm`` / ``optim.nonfinite_leaves`` of the gradients it was given (clipping, the
+    non-finite guard). Run on one part of the tree inside ``tree.as_part_of`` it then gives that part of
+    the whole update, so ``make_train_step(update_backend=...)`` compiles the update once per layer and
+    reuses it (``ftitan.train.regional``). ``False`` (the default) is always safe; :func:`chain` is
+    leafwise when all its transforms are; path masks and routing (``masked``, ``multi_transform``, Muon)
+    are not.
+    """
 
     init: InitFn
     update: UpdateFn
+    leafwise: bool = False
 
 
 class EmptyState(NamedTuple):
@@ -104,7 +115,7 @@ def identity() -> Transform:
         del params
         return grads, state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -134,7 +145,7 @@ def chain(*transforms: Transform) -> Transform:
             new_states.append(s)
         return grads, tuple(new_states)
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=all(t.leafwise for t in transforms))
 
 
 def set_to_zero() -> Transform:
@@ -152,7 +163,7 @@ def set_to_zero() -> Transform:
         del params
         return tree.map(torch.zeros_like, grads), state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def scale(factor: float | torch.Tensor) -> Transform:
@@ -166,7 +177,7 @@ def scale(factor: float | torch.Tensor) -> Transform:
         del params
         return tree.map(lambda g: g * factor, grads), state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=True)
 
 
 def apply_updates(params: Params, updates: Updates) -> Params:

@@ -72,4 +72,4 @@ def add_decayed_weights(weight_decay: float | torch.Tensor, mask: Mask | None = 
 
         return tree.map_with_path(one, grads, params), state
 
-    return Transform(init, update)
+    return Transform(init, update, leafwise=mask is None)  # a mask reads paths, which a layer's part lacks

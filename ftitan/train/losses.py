@@ -68,26 +68,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(h, w, targets, chunk_size: int, ignore_index: int, cap: float | None):  # type: ignore[override]
-        w32 = w.to(_acc_dtype(w))
-        total = torch.zeros((), dtype=w32.dtype, device=h.device)
-        grad_h = torch.empty_like(h)
-        grad_w = None
-        for start in range(0, h.shape[0], chunk_size):
-            hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
-            loss, logp, safe_t, valid, th = _chunk_logprobs(hc, w32, tc, ignore_index, cap)
-            total = total + loss
-            # d loss / d logits = softmax - onehot, computed in place over the logits block;
-            # ignored rows are zeroed on the small (C, D) side instead of the (C, V) block
-            dlogits = logp.exp_()
-            rows = torch.arange(dlogits.shape[0], device=dlogits.device)
-            dlogits.index_put_((rows, safe_t), torch.full_like(rows, -1, dtype=dlogits.dtype), accumulate=True)
-            if th is not None:  # through the soft-cap: d cap tanh(z / cap) / dz = 1 - tanh^2, in place
-                dlogits.mul_(th.square_().neg_().add_(1))
-            keep = valid[:, None].to(w32.dtype)  # (C, 1)
-            grad_h[start : start + chunk_size] = ((dlogits @ w32) * keep).to(h.dtype)
-            contrib = dlogits.T @ (hc.to(w32.dtype) * keep)  # (V, D)
-            grad_w = contrib if grad_w is None else grad_w + contrib
-        return total, grad_h, grad_w.to(w.dtype)
+        from ftitan.train import regional
+
+        backend = regional.current_backend()
+        # regional compile in one process: the head and its loss are one more region, compiled once (parallel
+        # runs keep it eager: their loss may see DTensors, whose compile the region does not promise)
+        if backend is not None and not torch.distributed.is_initialized():
+            return regional.compiled(_fused_forward, backend)(h, w, targets, chunk_size, ignore_index, cap)
+        return _fused_forward(h, w, targets, chunk_size, ignore_index, cap)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -108,6 +96,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
             )
         grad_h, grad_w = ctx.saved_tensors
         return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None
+
+
+def _fused_forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int,
+                   cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``_LinearCrossEntropy``'s forward: the loss and both gradients, chunk by chunk."""
+    w32 = w.to(_acc_dtype(w))
+    total = torch.zeros((), dtype=w32.dtype, device=h.device)
+    grad_h = torch.empty_like(h)
+    grad_w = None
+    for start in range(0, h.shape[0], chunk_size):
+        hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
+        loss, logp, safe_t, valid, th = _chunk_logprobs(hc, w32, tc, ignore_index, cap)
+        total = total + loss
+        # d loss / d logits = softmax - onehot, computed in place over the logits block;
+        # ignored rows are zeroed on the small (C, D) side instead of the (C, V) block
+        dlogits = logp.exp_()
+        rows = torch.arange(dlogits.shape[0], device=dlogits.device)
+        dlogits.index_put_((rows, safe_t), torch.full_like(rows, -1, dtype=dlogits.dtype), accumulate=True)
+        if th is not None:  # through the soft-cap: d cap tanh(z / cap) / dz = 1 - tanh^2, in place
+            dlogits.mul_(th.square_().neg_().add_(1))
+        keep = valid[:, None].to(w32.dtype)  # (C, 1)
+        grad_h[start : start + chunk_size] = ((dlogits @ w32) * keep).to(h.dtype)
+        contrib = dlogits.T @ (hc.to(w32.dtype) * keep)  # (V, D)
+        grad_w = contrib if grad_w is None else grad_w + contrib
+    return total, grad_h, grad_w.to(w.dtype)
 
 
 def _plain_chunked_total(

@@ -170,9 +170,13 @@ class Runtime:
         if self.layout is None:
             autograd = region is not None or remat != "none" or kernels != "torch" or attn_impl in ("flex", "auto")
             grad_impl = "autograd" if autograd else "func"
+            # regional: the update half too is compiled once per layer kind, where the optimizer runs by layers
+            # (Transform.leafwise: AdamW, SGD, behind clipping and the guard; not Muon); else it stays eager
+            by_layers = region is not None and opt.leafwise and trainable is None and update_buffers is None
             # the loop never reads a state twice: the step writes the new one into its buffers
             step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True,
-                                   precision=precision, trainable=trainable, grad_impl=grad_impl)  # fmt: skip
+                                   precision=precision, trainable=trainable, grad_impl=grad_impl,
+                                   update_backend=region if by_layers else None)  # fmt: skip
             if region is not None:
                 return regional.regional_step(step, region)
             return _with_budget(torch.compile(step, fullgraph=True), remat) if compile else step

@@ -174,7 +174,11 @@ def make_train_step(
     ``update_backend`` (a ``torch.compile`` backend) compiles the half of the step after the gradients
     on its own: the optimizer update, applying it, the metrics and, with ``donate``, the writes into the
     old buffers, fused into a few loops. For a step whose gradient half runs eagerly or regionally
-    compiled (``ftitan.train.regional``); a step compiled whole needs it not.
+    compiled (``ftitan.train.regional``); a step compiled whole needs it not. With an optimizer that is
+    ``leafwise`` (``optim.Transform``: AdamW, SGD, behind clipping and the non-finite guard) and params
+    with ``layers``, it runs layer by layer through one compiled update per layer kind, whose cold compile
+    does not grow with depth (the same values; see ``_by_layers``); otherwise (Muon, path masks,
+    ``trainable``, ``update_buffers``, a ``weight``-taking optimizer) it is compiled over the whole tree.
     """
     if accum_steps < 1:
         raise ValueError(f"make_train_step: accum_steps={accum_steps} must be >= 1")
@@ -218,5 +222,69 @@ def make_train_step(
 
     # not fullgraph: a transform may branch on values (optim.apply_if_finite); dynamic=False: params keep their
     # shapes, and another step's update compiled from this same code must not turn this one's sizes symbolic
-    finish = update if update_backend is None else torch.compile(update, backend=update_backend, dynamic=False)
+    whole = update if update_backend is None else torch.compile(update, backend=update_backend, dynamic=False)
+    if update_backend is None or not optimizer.leafwise or trainable is not None or update_buffers is not None \
+            or weighted:  # fmt: skip
+        finish = whole
+    else:
+        finish = _by_layers(whole, optimizer, update_backend, donate)
     return step
+
+
+def _part_stats(grads: list[torch.Tensor], acc: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    # tree.global_norm's squares and optim.nonfinite_leaves' flags, leaf by leaf
+    return [torch.sum(torch.square(g.to(acc))) for g in grads], [(~torch.isfinite(g)).sum() > 0 for g in grads]
+
+
+def _by_layers(whole: Callable[..., Any], optimizer: optim.Transform, backend: str, donate: bool) -> Callable[..., Any]:
+    """The update half compiled once per layer kind and run layer by layer (``regional.layer_parts``), for a
+    leafwise optimizer (``Transform.leafwise``): its compile does not grow with depth, as a whole-tree
+    compile's does (inductor's scheduling grows faster than the number of leaves). Clipping and the
+    non-finite guard read the whole gradient tree's norm and flags, computed first (``tree.as_part_of``).
+    Params that are not cut in layers, and an optimizer that turns out not to run by parts
+    (``tree.NotPartitionable`` on the first part), take ``whole``, the update compiled whole."""
+    from ftitan.train import regional
+
+    stats = torch.compile(_part_stats, backend=backend, dynamic=False)
+
+    def part(grads: Any, opt_state: Any, params: Any, squares: torch.Tensor, bad: torch.Tensor) -> Any:
+        with T.as_part_of(grads, sum_squares=squares, nonfinite=bad):
+            updates, opt_state_new = optimizer.update(grads, opt_state, params)
+        new = optim.apply_updates(params, updates)
+        if donate:
+            return _donate((params, opt_state), (new, opt_state_new))
+        return new, opt_state_new
+
+    compiled = torch.compile(part, backend=backend, dynamic=False)
+    whole_only = False
+
+    def run(state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> Any:
+        nonlocal whole_only
+        parts = None if whole_only else regional.layer_parts(state.params)
+        leaves = T.leaves(grads)
+        if parts is None or not all(T.is_tensor(g) for g in leaves) or T.structure(grads) != T.structure(state.params):
+            return whole(state, grads, loss, aux)
+        acc = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+        got = [stats(T.leaves(sel(grads)), acc) for sel in parts.select]
+        squares = parts.assemble([T.unflatten(T.structure(sel(grads)), sq) for sel, (sq, _) in zip(parts.select, got)])
+        flags = parts.assemble([T.unflatten(T.structure(sel(grads)), b) for sel, (_, b) in zip(parts.select, got)])
+        total, bad = torch.stack(T.leaves(squares)).sum(), torch.stack(T.leaves(flags))
+        states, merge = regional.split_state(state.opt_state, state.params, parts, own_scalars=donate)
+        new = []
+        for i, (sel, s) in enumerate(zip(parts.select, states, strict=True)):
+            try:
+                new.append(compiled(sel(grads), s, sel(state.params), total, bad))
+            except T.NotPartitionable:
+                if i:  # earlier parts wrote their donated buffers: nothing to fall back to
+                    raise
+                whole_only = True
+                return whole(state, grads, loss, aux)
+        params = parts.assemble([p for p, _ in new])
+        opt_state = merge([s for _, s in new], into=state.opt_state if donate else None)
+        metrics = {"loss": loss.detach(), "grad_norm": torch.sqrt(total), **aux}
+        lr = optim.find_lr(opt_state)
+        if lr is not None:
+            metrics["lr"] = lr
+        return TrainState(state.step + 1, params, opt_state, state.rng), metrics
+
+    return run

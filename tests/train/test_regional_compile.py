@@ -59,13 +59,14 @@ def fresh_dynamo():
 
 
 def test_one_compile_serves_every_layer_without_recompiles():
-    """4 layers, 2 steps (new closures over new RoPE angles each step): one graph, and a recompile would raise."""
+    """4 layers, 2 steps (new closures over new RoPE angles each step): one graph for the blocks (and one for
+    the head's fused loss, ``regional.compiled``), and a recompile would raise."""
     model = tiny("llama")
     params, b = model.init(ft.random.key(0)), batch()
     with torch._dynamo.config.patch(error_on_recompile=True):
         regional_grads(model, params, b)
         regional_grads(model, params, batch(seed=1))  # other tokens, same shapes
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 1 + 1
 
 
 @pytest.mark.parametrize(("family", "kinds"), [("qwen3_moe", 1), ("qwen3_next", 2), ("deepseek_v3", 2),
@@ -73,14 +74,15 @@ def test_one_compile_serves_every_layer_without_recompiles():
 def test_one_region_per_layer_kind(family, kinds):
     """Qwen3-Next's linear-attention and full-attention layers (DeepSeek-V3's dense and MoE blocks) differ by
     their params' keys, Muse Glimmer's by the (RoPE base, window) its block reads for the layer index
-    (``run_stage``'s ``layer_kind``): two graphs for four layers; a second step compiles nothing new."""
+    (``run_stage``'s ``layer_kind``): two graphs for four layers (and the head's fused loss); a second step
+    compiles nothing new."""
     model = tiny(family)
     params, b = model.init(ft.random.key(0)), batch()
     regional_grads(model, params, b, steps=1)
-    assert counters["stats"]["unique_graphs"] == kinds
+    assert counters["stats"]["unique_graphs"] == kinds + 1
     with torch._dynamo.config.patch(error_on_recompile=True):
         regional_grads(model, params, batch(seed=1), steps=1)
-    assert counters["stats"]["unique_graphs"] == kinds
+    assert counters["stats"]["unique_graphs"] == kinds + 1
 
 
 @pytest.mark.parametrize("family", list(TINY))
@@ -101,7 +103,7 @@ def test_regional_with_remat_full():
     ref, _ = value_and_grad(ft.train.next_token_loss(tiny("llama")), impl="func")(params, b)
     with torch._dynamo.config.patch(error_on_recompile=True):
         grads, _ = regional_grads(model, params, b)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 1 + 1  # the block, the head's fused loss
     assert_close_trees(grads, ref, rtol=1e-6, atol=1e-6)
 
 
@@ -125,7 +127,9 @@ def test_runtime_regional_step_matches_the_eager_step():
     step = rt.make_step(model, loss_fn, opt, accum_steps=1, compile="regional:aot_eager", update_buffers=None)
     state, m = step(ft.train.init_state(T.map(torch.clone, params), opt), b)
     want, m_want = ft.train.make_train_step(loss_fn, opt)(ft.train.init_state(T.map(torch.clone, params), opt), b)
-    assert counters["stats"]["unique_graphs"] == 1
+    # the block region and the head's fused loss once; the update by layers (AdamW is leafwise): its part update
+    # and statistics pass once for what lies outside the layers and once for the layers
+    assert counters["stats"]["unique_graphs"] == 2 + 2 * 2
     torch.testing.assert_close(m["loss"], m_want["loss"], rtol=1e-6, atol=0)
     assert_close_trees(state.params, want.params, rtol=1e-5, atol=1e-6)
 
@@ -165,12 +169,14 @@ def test_cli_run_with_regional_compile_and_full_remat(tmp_path):
 
 
 def test_update_half_compiled_apart_is_the_same_step():
-    """``make_train_step(update_backend=...)`` (``bench compile``'s regional-update peer): the optimizer update, its
-    application and the donated writes compiled on their own give the eager step's params and moments
-    (aot_eager: the same aten ops, 1e-6), in the donated buffers; a second step compiles nothing new."""
+    """``make_train_step(update_backend=...)`` for an optimizer that does not run by layers (a weight-decay mask
+    reads paths): the optimizer update, its application and the donated writes compiled whole, on their own,
+    give the eager step's params and moments (aot_eager: the same aten ops, 1e-6), in the donated buffers; a
+    second step compiles nothing new."""
     model = tiny("llama")
     params, b = model.init(ft.random.key(0)), batch()
-    opt = ft.optim.adamw(1e-2)
+    opt = ft.optim.adamw(1e-2, mask="layers.*")
+    assert not opt.leafwise
     loss_fn = ft.train.next_token_loss(model)
     step = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True, update_backend="aot_eager")
     eager = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True)
@@ -184,3 +190,87 @@ def test_update_half_compiled_apart_is_the_same_step():
     assert_close_trees((got.params, got.opt_state), (want.params, want.opt_state), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m["grad_norm"], m_want["grad_norm"])
     assert [x.data_ptr() for x in T.leaves((got.params, got.opt_state))] == buffers
+
+
+def trainer_optimizer(clip=0.05):
+    """The trainer's AdamW (``optim.from_config``): a warm-up/cosine schedule, clipping, the non-finite guard."""
+    from ftitan.optim.from_config import guard_nonfinite
+
+    lr = ft.optim.warmup_cosine(1e-2, warmup=2, total=10, final=1e-3)
+    return guard_nonfinite(ft.optim.chain(ft.optim.clip_by_global_norm(clip), ft.optim.adamw(lr)), "skip")
+
+
+@pytest.mark.parametrize("family, parts", [("llama", 2), ("deepseek_v3", 3)])
+def test_update_by_layers_compiles_once_per_layer_kind_and_is_the_eager_step(family, parts):
+    """A leafwise optimizer (``Transform.leafwise``: the trainer's AdamW behind clipping, its schedule and the
+    non-finite guard) under ``update_backend`` runs its compiled update layer by layer: one graph for what lies
+    outside the layers and one per layer kind (DeepSeek-V3: dense and MoE blocks), however deep the model;
+    bit-identical to the eager step (aot_eager) in params, moments, the guard's and the schedule's counters and
+    the metrics, with clipping binding (the norm is the whole tree's) and after a non-finite gradient (the
+    guard skips it, naming the same first bad leaf); the state stays in its donated buffers."""
+    model = tiny(family)
+    params = model.init(ft.random.key(0))
+    opt = trainer_optimizer()
+    assert opt.leafwise
+
+    def loss_fn(p, b):
+        loss, aux = ft.train.next_token_loss(model)(p, b)
+        return loss * b["scale"], aux
+
+    step = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True, update_backend="aot_eager")
+    eager = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True)
+    got, want = (ft.train.init_state(T.map(torch.clone, params), opt) for _ in range(2))
+    buffers = [x.data_ptr() for x in T.leaves((got.params, got.opt_state))]
+    for i, scale in enumerate((1.0, 1.0, float("inf"), 1.0)):
+        b = {**batch(), "scale": torch.tensor(scale)}
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):  # the first step compiles each kind
+            got, m = step(got, b)
+        want, m_want = eager(want, b)
+        for x, y in zip(T.leaves((got, m)), T.leaves((want, m_want)), strict=True):
+            assert torch.equal(x, y) or (x.isnan().all() and y.isnan().all())
+    guard = ft.optim.find_finite_guard(got.opt_state)
+    assert int(guard.total_notfinite) == 1 and int(guard.bad_step) == 3 and int(guard.bad_leaf) >= 0
+    assert float(m_want["grad_norm"]) > 0.05  # clipping binds: the parts scaled by the whole tree's norm
+    # the part update per kind, and the statistics pass (squares, non-finite flags) per kind
+    assert counters["stats"]["unique_graphs"] == 2 * parts
+    assert [x.data_ptr() for x in T.leaves((got.params, got.opt_state))] == buffers
+
+
+def test_an_optimizer_that_reads_a_parts_other_tree_falls_back_to_the_whole_update():
+    """A transform marked leafwise that asks for the norm of another tree of the part's structure (here: the
+    updates, not the gradients) raises ``tree.NotPartitionable`` on the first part, before any write: the step
+    falls back to the update compiled whole and stays the eager step."""
+    model = tiny("llama")
+    params, b = model.init(ft.random.key(0)), batch()
+
+    def update(g, s, p=None):
+        u = T.map(lambda x: 2 * x, g)
+        norm = T.global_norm(u)
+        return T.map(lambda x: x / (1 + norm), u), s
+
+    opt = ft.optim.chain(ft.optim.Transform(lambda p: ft.optim.EmptyState(), update, leafwise=True),
+                         ft.optim.adamw(1e-2))  # fmt: skip
+    loss_fn = ft.train.next_token_loss(model)
+    step = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True, update_backend="aot_eager")
+    eager = ft.train.make_train_step(loss_fn, opt, grad_impl="autograd", donate=True)
+    got, want = (ft.train.init_state(T.map(torch.clone, params), opt) for _ in range(2))
+    for _ in range(2):
+        got, _ = step(got, b)
+        want, _ = eager(want, b)
+    assert_close_trees((got.params, got.opt_state), (want.params, want.opt_state), rtol=1e-5, atol=1e-6)
+
+
+def test_whole_tree_statistics_inside_a_part():
+    """``tree.as_part_of``: the part's gradients give the whole tree's norm and non-finite flags; another tree
+    of the part's structure raises; a tree of another structure is its own."""
+    from ftitan.optim import finite
+
+    g = {"a": torch.ones(2), "b": torch.ones(3)}
+    whole = {"sum_squares": torch.tensor(16.0), "nonfinite": torch.tensor([False, True, False])}
+    with T.as_part_of(g, **whole):
+        assert T.global_norm(g) == 4.0
+        assert torch.equal(finite.nonfinite_leaves(g), whole["nonfinite"]) and not finite.all_finite(g)
+        assert T.global_norm({"x": torch.tensor(3.0)}) == 3.0
+        with pytest.raises(T.NotPartitionable, match="other than its gradients"):
+            T.global_norm(T.map(torch.clone, g))
+    assert T.global_norm(g) == 5**0.5
