@@ -121,7 +121,6 @@ def regional_step(step: Callable[..., Any], backend: str) -> Callable[..., Any]:
     return run
 
 
-
 class Parts(NamedTuple):
     """A params tree cut into parts of which the update runs one at a time (:func:`layer_parts`)."""
 

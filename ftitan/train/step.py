@@ -260,7 +260,8 @@ def _by_layers(whole: Callable[..., Any], optimizer: optim.Transform, backend: s
 
     def run(state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> Any:
         nonlocal whole_only
-        parts = None if whole_only else regional.layer_parts(state.params)
+        # inside tree.norm_across (a tree split over processes) the norm must be combined: the whole update does
+        parts = None if whole_only or T.norm_is_combined() else regional.layer_parts(state.params)
         leaves = T.leaves(grads)
         if parts is None or not all(T.is_tensor(g) for g in leaves) or T.structure(grads) != T.structure(state.params):
             return whole(state, grads, loss, aux)
