@@ -21,7 +21,8 @@ demo: install
 	$(BIN)/python -m ftitan train --recipe llama3-debug --overwrite
 	$(BIN)/python -m ftitan generate --run runs/llama3-debug --n 3 --prompt "def "
 
-# two workers (pytest-xdist): the suite is mostly single-threaded compiling and Python (45.5 -> 35.5 min)
+# two workers (pytest-xdist) of one torch thread each (tests/conftest.py): the suite is mostly single-threaded
+# compiling and Python; a fresh clone's make test took 19.5 min on 2 cores (2026-12-06)
 PYTEST := $(BIN)/python -m pytest -n 2
 
 test: install
