@@ -186,14 +186,17 @@ def make_train_step(
     grad_fn = value_and_grad(loss_fn, impl=grad_impl)
     weighted = _takes_weight(optimizer)
 
-    def split_trainable(params: Any) -> tuple[Any, Callable[[Any], Any], GradFn]:
+    def select(params: Any) -> tuple[Any, Callable[[Any], Any]]:
+        # the leaves the optimizer sees, and how its new ones go back into the whole tree
         if trainable is None:
-            return params, lambda new: new, grad_fn
-        return (
-            subset(trainable, params),
-            lambda new: merge(params, new),
-            value_and_grad(lambda t, b: loss_fn(merge(params, t), b), impl=grad_impl),
-        )
+            return params, lambda new: new
+        return subset(trainable, params), lambda new: merge(params, new)
+
+    def split_trainable(params: Any) -> tuple[Any, Callable[[Any], Any], GradFn]:
+        train, put = select(params)
+        if trainable is None:
+            return train, put, grad_fn
+        return train, put, value_and_grad(lambda t, b: loss_fn(merge(params, t), b), impl=grad_impl)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, torch.Tensor]]:
         train, _, fn = split_trainable(state.params)
@@ -206,7 +209,7 @@ def make_train_step(
     def update(
         state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor]
     ) -> tuple[TrainState, dict[str, torch.Tensor]]:
-        train, merge, _ = split_trainable(state.params)
+        train, merge = select(state.params)
         extra = {"weight": aux["n_tokens"]} if weighted and "n_tokens" in aux else {}
         updates, opt_state = optimizer.update(grads, state.opt_state, train, **extra)
         params = merge(optim.apply_updates(train, updates))
