@@ -48,8 +48,8 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> d
             return saved
         try:
             results = make()
-        except AssertionError as e:
-            path.write_text(json.dumps({"failed": str(e)}))
+        except Exception as e:  # a failed launch, or one past its timeout: the other worker must not rerun it
+            path.write_text(json.dumps({"failed": f"{type(e).__name__}: {e}"}))
             raise
         path.write_text(json.dumps(results))
         return results
