@@ -10,8 +10,9 @@ side by side in one process:
   block function compiled once and reused by all 16 layers, and the update
   half of the step (optimizer update, applying it, the donated writes)
   compiled once per layer kind and run layer by layer
-  (``make_train_step(update_backend=...)`` with a leafwise optimizer); the
-  embedding and the loss eager, autograd gradients;
+  (``make_train_step(update_backend=...)`` with a leafwise optimizer), the
+  head's fused loss one more region; the embedding eager, autograd
+  gradients;
 - ``regional-eager-update``: the same block region with the update half
   eager (what ``--compile regional`` ran before the update ran by layers):
   how much of the gap to ``whole`` the compiled update closes.
