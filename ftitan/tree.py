@@ -49,10 +49,12 @@ __all__ = [
     "map_with_path",
     "match",
     "nbytes",
+    "norm_dtype",
     "partition",
     "paths",
     "register_node",
     "size",
+    "squares",
     "stack",
     "structure",
     "unflatten",
@@ -242,12 +244,21 @@ def global_norm(tree: Tree) -> torch.Tensor:
     xs = [x for x in leaves(tree) if is_tensor(x)]
     if not xs:
         return torch.zeros(())
-    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-    sq = [torch.sum(torch.square(x.to(acc))) for x in xs]
-    total = torch.stack(sq).sum()
+    total = torch.stack(squares(xs, norm_dtype(xs))).sum()
     for combine_ in _NORM_ACROSS:
         total = combine_(total)
     return torch.sqrt(total)
+
+
+def norm_dtype(xs: Sequence[torch.Tensor]) -> torch.dtype:
+    """What :func:`global_norm` accumulates ``xs`` in: float32, float64 if any is float64."""
+    return torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+
+
+def squares(xs: Sequence[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
+    """Each tensor's sum of squares in ``acc``: the terms :func:`global_norm` adds (also computed part by part,
+    ``ftitan.train.step``'s update by layers, which must give the same bits)."""
+    return [torch.sum(torch.square(x.to(acc))) for x in xs]
 
 
 _NORM_ACROSS: list[Callable[[torch.Tensor], torch.Tensor]] = []

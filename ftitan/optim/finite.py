@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 from ftitan import tree
 from ftitan.optim.transform import Params, State, Transform, Updates, state_device
 
-__all__ = ["ApplyIfFiniteState", "all_finite", "apply_if_finite", "find_finite_guard", "nonfinite_leaves"]
+__all__ = ["ApplyIfFiniteState", "all_finite", "apply_if_finite", "find_finite_guard", "nonfinite_counts",
+           "nonfinite_leaves"]
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -45,13 +46,18 @@ def nonfinite_leaves(t: Updates) -> torch.Tensor:
     whole = tree.whole_of(t, "nonfinite")  # inside tree.as_part_of: the whole tree's flags
     if whole is not None:
         return whole
-    counts = [(~torch.isfinite(x)).sum() for x in tree.leaves(t) if tree.is_tensor(x)]
+    counts = nonfinite_counts([x for x in tree.leaves(t) if tree.is_tensor(x)])
     if not counts:
         return torch.zeros(0, dtype=torch.bool)
     stacked = torch.stack(counts)
     if isinstance(stacked, DTensor):
         stacked = stacked.full_tensor()
     return stacked > 0
+
+
+def nonfinite_counts(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's count of NaN and inf elements (0-d int64): what :func:`nonfinite_leaves` flags."""
+    return [(~torch.isfinite(x)).sum() for x in xs]
 
 
 def _agreed(finite: torch.Tensor) -> torch.Tensor:

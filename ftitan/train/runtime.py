@@ -29,7 +29,7 @@ from ftitan.parallel.activations import split_sequence
 from ftitan.train import regional, rendezvous
 from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.remat import memory_budget
-from ftitan.train.step import make_train_step
+from ftitan.train.step import make_train_step, update_runs_by_layers
 
 __all__ = ["Runtime", "resolve_backend", "resolve_device", "setup", "step_options"]
 
@@ -172,7 +172,8 @@ class Runtime:
             grad_impl = "autograd" if autograd else "func"
             # regional: the update half too is compiled once per layer kind, where the optimizer runs by layers
             # (Transform.leafwise: AdamW, SGD, behind clipping and the guard; not Muon); else it stays eager
-            by_layers = region is not None and opt.leafwise and trainable is None and update_buffers is None
+            by_layers = region is not None and update_runs_by_layers(opt, trainable=trainable,
+                                                                     update_buffers=update_buffers)  # fmt: skip
             # the loop never reads a state twice: the step writes the new one into its buffers
             step = make_train_step(loss_fn, opt, accum_steps=accum_steps, update_buffers=update_buffers, donate=True,
                                    precision=precision, trainable=trainable, grad_impl=grad_impl,

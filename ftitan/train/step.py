@@ -17,12 +17,13 @@ import torch
 
 from ftitan import optim
 from ftitan import tree as T
+from ftitan.optim import finite
 from ftitan.optim.masking import merge, subset
 from ftitan.optim.transform import scalar_dtype
 from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.state import Trainable, TrainState
 
-__all__ = ["make_train_step", "value_and_grad"]
+__all__ = ["make_train_step", "update_runs_by_layers", "value_and_grad"]
 
 LossFn = Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 GradFn = Callable[[Any, Any], tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]]]]
@@ -103,6 +104,15 @@ def _takes_weight(optimizer: optim.Transform) -> bool:
         return "weight" in inspect.signature(optimizer.update).parameters
     except (TypeError, ValueError):
         return False
+
+
+def update_runs_by_layers(optimizer: optim.Transform, *, trainable: Trainable | None = None,
+                          update_buffers: Callable[..., Any] | None = None) -> bool:  # fmt: skip
+    """Whether ``make_train_step(update_backend=...)`` runs the update layer by layer (one compile per layer
+    kind) for these arguments: a leafwise optimizer (``Transform.leafwise``) that takes no ``weight``, no
+    ``trainable`` subset (its flat dict has no layers), no ``update_buffers``. Otherwise the update is
+    compiled over the whole tree, whose cold compile grows with the number of leaves."""
+    return optimizer.leafwise and trainable is None and update_buffers is None and not _takes_weight(optimizer)
 
 
 def _donate(old: Any, new: Any) -> Any:
@@ -226,17 +236,15 @@ def make_train_step(
     # not fullgraph: a transform may branch on values (optim.apply_if_finite); dynamic=False: params keep their
     # shapes, and another step's update compiled from this same code must not turn this one's sizes symbolic
     whole = update if update_backend is None else torch.compile(update, backend=update_backend, dynamic=False)
-    if update_backend is None or not optimizer.leafwise or trainable is not None or update_buffers is not None \
-            or weighted:  # fmt: skip
-        finish = whole
-    else:
-        finish = _by_layers(whole, optimizer, update_backend, donate)
+    by_layers = update_backend is not None and update_runs_by_layers(optimizer, trainable=trainable,
+                                                                      update_buffers=update_buffers)  # fmt: skip
+    finish = _by_layers(whole, optimizer, update_backend, donate) if by_layers else whole
     return step
 
 
 def _part_stats(grads: list[torch.Tensor], acc: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     # tree.global_norm's squares and optim.nonfinite_leaves' flags, leaf by leaf
-    return [torch.sum(torch.square(g.to(acc))) for g in grads], [(~torch.isfinite(g)).sum() > 0 for g in grads]
+    return T.squares(grads, acc), [c > 0 for c in finite.nonfinite_counts(grads)]
 
 
 def _by_layers(whole: Callable[..., Any], optimizer: optim.Transform, backend: str, donate: bool) -> Callable[..., Any]:
@@ -268,10 +276,12 @@ def _by_layers(whole: Callable[..., Any], optimizer: optim.Transform, backend: s
         leaves = T.leaves(grads)
         if parts is None or not all(T.is_tensor(g) for g in leaves) or T.structure(grads) != T.structure(state.params):
             return whole(state, grads, loss, aux)
-        acc = torch.float64 if any(g.dtype == torch.float64 for g in leaves) else torch.float32
+        acc = T.norm_dtype(leaves)
+        specs = [T.structure(sel(grads)) for sel in parts.select]
         got = [stats(T.leaves(sel(grads)), acc) for sel in parts.select]
-        squares = parts.assemble([T.unflatten(T.structure(sel(grads)), sq) for sel, (sq, _) in zip(parts.select, got)])
-        flags = parts.assemble([T.unflatten(T.structure(sel(grads)), b) for sel, (_, b) in zip(parts.select, got)])
+        # back into the whole tree's leaf order, which global_norm sums in and the guard's bad_leaf counts in
+        squares = parts.assemble([T.unflatten(spec, sq) for spec, (sq, _) in zip(specs, got, strict=True)])
+        flags = parts.assemble([T.unflatten(spec, b) for spec, (_, b) in zip(specs, got, strict=True)])
         total, bad = torch.stack(T.leaves(squares)).sum(), torch.stack(T.leaves(flags))
         states, merge = regional.split_state(state.opt_state, state.params, parts, own_scalars=donate)
         new = []
