@@ -76,7 +76,9 @@ def mesh(dims: ParallelDims | None = None, /, *, device_type: str | None = None,
     """The ``DeviceMesh`` for ``dims`` (or keyword degrees, e.g. ``mesh(dp_shard=2, tp=2)``).
 
     Needs an initialized process group whose size is the product of the
-    degrees. Axes are named as in ``AXES``; size-1 axes are kept.
+    degrees. Axes are named as in ``AXES``; size-1 axes are kept. Made once per
+    degrees and process group: a second call hands back the same mesh (its
+    groups), a call after the process group was made again a new one.
     """
     if dims is None:
         dims = ParallelDims(**degrees)
@@ -90,7 +92,18 @@ def mesh(dims: ParallelDims | None = None, /, *, device_type: str | None = None,
     dims.check(dist.get_world_size())
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+    # one mesh per shape and process group: each init_device_mesh makes new groups (collectively), and
+    # every gloo group keeps its own polling threads for the life of the process (a launch that built a
+    # mesh per check held ~380 gloo_tcp_loop threads a rank, which spent more CPU than the checks did)
+    key = (device_type, dims.shape)
+    made_in, made = _MESHES.get(key, (None, None))
+    if made is None or made_in is not dist.group.WORLD:  # none yet, or the process group was made again
+        made = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+        _MESHES[key] = (dist.group.WORLD, made)
+    return made
+
+
+_MESHES: dict[tuple[str, tuple[int, ...]], tuple[object, DeviceMesh]] = {}  # (device, shape) -> (WORLD, mesh)
 
 
 def shutdown() -> None:
@@ -99,3 +112,4 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _MESHES.clear()

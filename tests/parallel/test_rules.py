@@ -145,3 +145,31 @@ def test_seams_are_no_ops_without_a_layout():
     assert parallel.current() is None
     assert parallel.shard_as(x, ("batch", "seq", "embed")) is x
     assert parallel.activations.column_input(x) is x and parallel.activations.row_output(x) is x
+
+
+def test_mesh_is_made_once_per_shape_and_process_group(tmp_path):
+    """Each ``init_device_mesh`` makes new gloo groups, and each group keeps polling threads for the life of
+    the process: ``parallel.mesh`` hands back the mesh it made for the same degrees, and a new one after the
+    process group was made again."""
+    import torch.distributed as dist
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    assert not dist.is_initialized(), "an earlier test left a process group up"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg1'}", rank=0, world_size=1)
+    try:
+        first = parallel.mesh(dp_shard=1)
+        after_first = threads()
+        assert parallel.mesh(parallel.ParallelDims()) is first
+        assert threads() == after_first  # no new groups, no new threads
+        assert first.mesh_dim_names == parallel.AXES
+    finally:
+        parallel.shutdown()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg2'}", rank=0, world_size=1)
+    try:
+        again = parallel.mesh()
+        assert again is not first  # the old mesh's groups died with the old process group
+        assert parallel.mesh() is again
+    finally:
+        parallel.shutdown()
