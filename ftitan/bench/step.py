@@ -103,6 +103,7 @@ class Options:
     """Also write the JSON to this file."""
 
 
+QUICK_PROBE = 256  # the GEMM probe's size under --quick
 QUICK_CONFIG = dict(peers.CORE_CONFIG, vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, seq_len=32)
 # Llama 3.2 1B and Llama 3 8B (2 of its 32 layers) as published; batch x seq: 16k tokens a step
 SHAPES: dict[str, dict[str, Any]] = {
@@ -310,7 +311,10 @@ def run(opts: Options) -> dict[str, Any]:
             n: _build(n, cfg, device, dtype, loader) for n in names if n not in skipped
         }
         # the GEMM peaks, sampled in every round beside the steps (their rows' denominators)
-        probes = {dtype: timing.GemmProbe(8192 if device.type == "cuda" else 2048, dtype, device=device)}
+        # --quick is a smoke run: a small probe (a 2048^3 bf16 GEMM where the CPU lacks AVX512-BF16 is emulated,
+        # ~15 minutes of the quick bf16 run on an AVX2 EPYC)
+        n = QUICK_PROBE if opts.quick else 8192 if device.type == "cuda" else 2048
+        probes = {dtype: timing.GemmProbe(n, dtype, device=device)}
         if any(n.endswith(BF16) for n in steps):
             probes[torch.bfloat16] = timing.GemmProbe(probes[dtype].n, torch.bfloat16, device=device)
         steps |= {_PROBE + str(d): p for d, p in probes.items()}
