@@ -313,8 +313,8 @@ def run(opts: Options) -> dict[str, Any]:
         # the GEMM peaks, sampled in every round beside the steps (their rows' denominators)
         # --quick is a smoke run: a small probe (a 2048^3 bf16 GEMM where the CPU lacks AVX512-BF16 is emulated,
         # ~15 minutes of the quick bf16 run on an AVX2 EPYC)
-        n = QUICK_PROBE if opts.quick else 8192 if device.type == "cuda" else 2048
-        probes = {dtype: timing.GemmProbe(n, dtype, device=device)}
+        size = QUICK_PROBE if opts.quick else 8192 if device.type == "cuda" else 2048
+        probes = {dtype: timing.GemmProbe(size, dtype, device=device)}
         if any(n.endswith(BF16) for n in steps):
             probes[torch.bfloat16] = timing.GemmProbe(probes[dtype].n, torch.bfloat16, device=device)
         steps |= {_PROBE + str(d): p for d, p in probes.items()}
