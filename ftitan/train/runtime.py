@@ -180,7 +180,7 @@ class Runtime:
                                    update_backend=region if by_layers else None)  # fmt: skip
             if region is not None:
                 return regional.regional_step(step, region)
-            return _with_budget(torch.compile(step, fullgraph=True), remat) if compile else step
+            return _with_budget(torch.compile(step, fullgraph=True, dynamic=False), remat) if compile else step
         if accum_steps != 1:
             raise ValueError(f"--accum-steps={accum_steps}: parallel runs take one batch per step; use --accum-steps 1 "
                              "(under pp, --parallel.pp-microbatches splits it)")  # fmt: skip
