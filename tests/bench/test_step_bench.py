@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ftitan.bench import step
 
 
@@ -38,10 +40,13 @@ def test_quick_run_reports_results_ratios_and_goals(tmp_path, capsys):
     assert not any(k.startswith("gemm-peak") for k in res)  # the probes are no peers of the results
 
 
-def test_bf16_mixed_precision_runs_the_gpu_command_on_cpu(capsys):
-    """The GPU measurement's command, shrunk by --quick, runs here: bf16 compute for ftitan and HF (autocast)."""
+@pytest.mark.parametrize("ours", ["ftitan-eager", pytest.param("ftitan-compiled", marks=pytest.mark.slow)])
+def test_bf16_mixed_precision_runs_the_gpu_command_on_cpu(capsys, ours):
+    """The GPU measurement's command, shrunk by --quick, runs here: bf16 compute for ftitan and HF (autocast).
+    The default tier runs ftitan's step eagerly (the same builder as ftitan-compiled, which the quick run
+    above compiles in fp32; a compiled bf16 step is tests/train/test_precision.py's); the slow tier compiles."""
     assert step.main(["--quick", "--device", "cpu", "--mixed-precision", "bf16", "--model", "llama3-8b-2layers",
-                      "--peers", "ftitan-compiled", "hf-eager", "--warmup", "1", "--rounds", "1"]) == 0
+                      "--peers", ours, "hf-eager", "--warmup", "1", "--rounds", "1"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["config"]["compute_dtype"] == "bfloat16" and printed["config"]["device"] == "cpu"
     assert printed["gemm_peak"]["dtype"] == "bfloat16"
@@ -51,8 +56,6 @@ def test_bf16_mixed_precision_runs_the_gpu_command_on_cpu(capsys):
 
 
 def test_unknown_shape_is_refused():
-    import pytest
-
     with pytest.raises(ValueError, match="--model='llama9'"):
         step.run(step.Options(quick=True, model="llama9", peers=("ftitan-eager",)))
 
@@ -77,8 +80,6 @@ def test_defaults_judge_the_issue_goals():
 
 def test_bf16_row_has_its_own_gemm_peak(capsys):
     """A -bf16 peer beside the fp32 ones: divided by a bf16 GEMM peak, its ratios kept within the bf16 row."""
-    import pytest
-
     from ftitan.bench import timing
 
     if "avx512_bf16" not in timing.cpu_flags():

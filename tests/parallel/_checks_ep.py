@@ -261,7 +261,7 @@ CHECKS = {
         grads_check, "ep2_dp_shard2_deepseek_v3_triton", "deepseek_v3", EP2_DP2
     ),
 }
-if os.environ.get("FTITAN_EP_SLOW_CHECKS"):  # compiled steps, tp: ~1-2 min of compiling; the slow tier
+if os.environ.get("FTITAN_SLOW_CHECKS"):  # compiled steps, tp: ~1-2 min of compiling; the slow tier
     CHECKS.update({
         "steps_ep2_dp_shard2_deepseek_v3_compiled": lambda: steps_check(
             "steps_ep2_dp_shard2_deepseek_v3_compiled", EP2_DP2, compile="aot_eager"

@@ -132,7 +132,7 @@ def test_ep_gradient_compiles_fullgraph_without_host_sync_and_equals_eager(parit
 def test_compiled_ep_steps_and_tp_match_single_process(run_checks, monkeypatch):
     """Slow tier (~2 min of compiling): three compiled (aot_eager) DeepSeek-V3 train steps under ep2 x
     dp_shard2 == one process (no recompile after the first); the compiled gradient under ep2 x tp2."""
-    monkeypatch.setenv("FTITAN_EP_SLOW_CHECKS", "1")
+    monkeypatch.setenv("FTITAN_SLOW_CHECKS", "1")
     names = ("steps_ep2_dp_shard2_deepseek_v3_compiled", "ep_compiled_grads_qwen3_moe_tp2")
     res = run_checks("_parity.py", *names)
     r = res["steps_ep2_dp_shard2_deepseek_v3_compiled"]
