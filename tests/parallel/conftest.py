@@ -14,10 +14,13 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900) -> dict[str, dict]:
+def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900, slow: bool = False) -> dict[str, dict]:
     """Run ``script`` under torchrun (``nproc=0``: one plain process, e.g. fake ranks);
-    ``{check name: result}`` from its ``RESULT {...}`` lines."""
+    ``{check name: result}`` from its ``RESULT {...}`` lines. ``slow``: the checks files also register
+    their slow-tier checks (``FTITAN_SLOW_CHECKS``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if slow:
+        env["FTITAN_SLOW_CHECKS"] = "1"
     runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else []
     cmd = [sys.executable, *runner, str(HERE / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -64,6 +67,12 @@ def parity_results(tmp_path_factory) -> dict[str, dict]:
 def run_checks():
     """:func:`launch`, for a test that runs its own checks."""
     return launch
+
+
+@pytest.fixture(scope="session")
+def slow_checks():
+    """``slow_checks(*names)``: a 4-rank launch of the named slow-tier checks (``{name: result}``)."""
+    return lambda *names: launch("_parity.py", *names, slow=True)
 
 
 @pytest.fixture(scope="module")

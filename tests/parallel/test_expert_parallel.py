@@ -129,12 +129,10 @@ def test_ep_gradient_compiles_fullgraph_without_host_sync_and_equals_eager(parit
 
 
 @pytest.mark.slow
-def test_compiled_ep_steps_and_tp_match_single_process(run_checks, monkeypatch):
+def test_compiled_ep_steps_and_tp_match_single_process(slow_checks):
     """Slow tier (~2 min of compiling): three compiled (aot_eager) DeepSeek-V3 train steps under ep2 x
     dp_shard2 == one process (no recompile after the first); the compiled gradient under ep2 x tp2."""
-    monkeypatch.setenv("FTITAN_SLOW_CHECKS", "1")
-    names = ("steps_ep2_dp_shard2_deepseek_v3_compiled", "ep_compiled_grads_qwen3_moe_tp2")
-    res = run_checks("_parity.py", *names)
+    res = slow_checks("steps_ep2_dp_shard2_deepseek_v3_compiled", "ep_compiled_grads_qwen3_moe_tp2")
     r = res["steps_ep2_dp_shard2_deepseek_v3_compiled"]
     assert "error" not in r, r["error"]
     assert r["loss_diff"] <= 1e-5 and r["load_diff"] == 0.0 and r["bias_diff"] == 0.0 and r["param_diff"] <= 1e-4

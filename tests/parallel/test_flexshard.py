@@ -52,12 +52,11 @@ def test_quantized_gathers_send_half_of_bf16_in_one_collective_and_train_alike(p
 
 
 @pytest.mark.slow
-def test_quantized_gathers_train_alike_over_a_long_curve(run_checks, monkeypatch):
+def test_quantized_gathers_train_alike_over_a_long_curve(slow_checks):
     """The same over 100 steps, down to a loss below a tenth of the first (the late steps, where the loss
     is small and a quantization error weighs most)."""
-    monkeypatch.setenv("FTITAN_SLOW_CHECKS", "1")
     name = "flexshard_quantized_dp4_100_steps"
-    _assert_quantized(run_checks("_parity.py", name)[name], steps=100)
+    _assert_quantized(slow_checks(name)[name], steps=100)
 
 
 def _assert_quantized(r: dict, steps: int) -> None:

@@ -47,12 +47,11 @@ def test_bf16_losses_match_the_single_process_bf16_step(parity_results):
 
 
 @pytest.mark.slow
-def test_compiled_bf16_parallel_step_equals_eager(run_checks, monkeypatch):
+def test_compiled_bf16_parallel_step_equals_eager(slow_checks):
     """Slow tier (the combination of compile, bf16 and FSDP x TP; each alone is in the default run):
     torch.compile(fullgraph=True, backend="aot_eager"); steps after the first under error_on_recompile."""
-    monkeypatch.setenv("FTITAN_SLOW_CHECKS", "1")
     name = "precision_compiled_dp_shard2_tp2"
-    r = _ok(run_checks("_parity.py", name)[name])
+    r = _ok(slow_checks(name)[name])
     assert r["compiled_vs_eager"] <= 1e-6, (r["losses"], r["eager_losses"])
     assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"], strict=True)) <= 2e-3
     assert r["param_dtypes"] == ["torch.float32"]
