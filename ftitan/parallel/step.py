@@ -159,7 +159,9 @@ def _merge_aux(aux: dict[str, torch.Tensor], layout: Layout) -> dict[str, torch.
 
 
 def _compiled(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]:
-    compiled = torch.compile(fn, fullgraph=True, **({"backend": compile} if isinstance(compile, str) else {}))
+    # static, as the single-process runtime: a run's batches have one shape (see docs/compile-and-memory.md)
+    kw = {"backend": compile} if isinstance(compile, str) else {}
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, **kw)
 
     def run(*args: Any) -> Any:
         # dynamo traces torch.autograd.grad (the gradient path of parallel steps) only when asked to
