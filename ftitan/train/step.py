@@ -247,54 +247,88 @@ def _part_stats(grads: list[torch.Tensor], acc: torch.dtype) -> tuple[list[torch
     return T.squares(grads, acc), [c > 0 for c in finite.nonfinite_counts(grads)]
 
 
-def _by_layers(whole: Callable[..., Any], optimizer: optim.Transform, backend: str, donate: bool) -> Callable[..., Any]:
-    """The update half compiled once per layer kind and run layer by layer (``regional.layer_parts``), for a
-    leafwise optimizer (``Transform.leafwise``): its compile does not grow with depth, as a whole-tree
-    compile's does (inductor's scheduling grows faster than the number of leaves). Clipping and the
-    non-finite guard read the whole gradient tree's norm and flags, computed first (``tree.as_part_of``).
-    Params that are not cut in layers, and an optimizer that turns out not to run by parts
-    (``tree.NotPartitionable`` on the first part), take ``whole``, the update compiled whole."""
-    from ftitan.train import regional
+class LayerUpdate:
+    """A leafwise optimizer's update (``Transform.leafwise``) compiled once per layer kind and run layer by
+    layer (``regional.layer_parts``): its compile does not grow with depth, as a whole-tree compile's does
+    (inductor's scheduling grows faster than the number of leaves). Clipping and the non-finite guard read
+    the whole gradient tree's statistics, given to each part (``tree.as_part_of``): ``stats`` computes them
+    from a tree of plain tensors; a tree split over processes brings its own (``ftitan.parallel``'s step:
+    each rank updates its shards with the global statistics).
 
-    stats = torch.compile(_part_stats, backend=backend, dynamic=False)
+    Called as ``(parts, grads, opt_state, params, total, bad)``, it returns ``(params, opt_state)``, or
+    ``None`` when the optimizer turns out not to run by parts (``tree.NotPartitionable`` on the first part; every later
+    call then returns ``None`` at once, and the caller takes its whole-tree path)."""
 
-    def part(grads: Any, opt_state: Any, params: Any, squares: torch.Tensor, bad: torch.Tensor) -> Any:
-        with T.as_part_of(grads, sum_squares=squares, nonfinite=bad):
-            updates, opt_state_new = optimizer.update(grads, opt_state, params)
-        new = optim.apply_updates(params, updates)
-        if donate:
-            return _donate((params, opt_state), (new, opt_state_new))
-        return new, opt_state_new
+    def __init__(self, optimizer: optim.Transform, backend: str, donate: bool) -> None:
+        def part(grads: Any, opt_state: Any, params: Any, squares: torch.Tensor, bad: torch.Tensor) -> Any:
+            with T.as_part_of(grads, sum_squares=squares, nonfinite=bad):
+                updates, opt_state_new = optimizer.update(grads, opt_state, params)
+            new = optim.apply_updates(params, updates)
+            if donate:
+                return _donate((params, opt_state), (new, opt_state_new))
+            return new, opt_state_new
 
-    compiled = torch.compile(part, backend=backend, dynamic=False)
-    whole_only = False
+        self.donate = donate
+        self.partitionable = True
+        self._part = torch.compile(part, backend=backend, dynamic=False)
+        self._stats = torch.compile(_part_stats, backend=backend, dynamic=False)
 
-    def run(state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> Any:
-        nonlocal whole_only
-        # inside tree.norm_across (a tree split over processes) the norm must be combined: the whole update does
-        parts = None if whole_only or T.norm_is_combined() else regional.layer_parts(state.params)
-        leaves = T.leaves(grads)
-        if parts is None or not all(T.is_tensor(g) for g in leaves) or T.structure(grads) != T.structure(state.params):
-            return whole(state, grads, loss, aux)
-        acc = T.norm_dtype(leaves)
+    @staticmethod
+    def parts_of(params: Any, grads: Any) -> Any:
+        """``regional.layer_parts(params)`` where the update can run by them: ``grads`` all tensors, of the
+        params' structure; else ``None``."""
+        from ftitan.train import regional
+
+        parts = regional.layer_parts(params)
+        if parts is None or not all(T.is_tensor(g) for g in T.leaves(grads)):
+            return None
+        return parts if T.structure(grads) == T.structure(params) else None
+
+    def stats(self, parts: Any, grads: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of squares, per-leaf non-finite flags)`` of the whole ``grads``, in its leaf order (the sum
+        ``tree.global_norm`` takes), computed part by part."""
+        acc = T.norm_dtype(T.leaves(grads))
         specs = [T.structure(sel(grads)) for sel in parts.select]
-        got = [stats(T.leaves(sel(grads)), acc) for sel in parts.select]
+        got = [self._stats(T.leaves(sel(grads)), acc) for sel in parts.select]
         # back into the whole tree's leaf order, which global_norm sums in and the guard's bad_leaf counts in
         squares = parts.assemble([T.unflatten(spec, sq) for spec, (sq, _) in zip(specs, got, strict=True)])
         flags = parts.assemble([T.unflatten(spec, b) for spec, (_, b) in zip(specs, got, strict=True)])
-        total, bad = torch.stack(T.leaves(squares)).sum(), torch.stack(T.leaves(flags))
-        states, merge = regional.split_state(state.opt_state, state.params, parts, own_scalars=donate)
+        return torch.stack(T.leaves(squares)).sum(), torch.stack(T.leaves(flags))
+
+    def __call__(self, parts: Any, grads: Any, opt_state: Any, params: Any, total: torch.Tensor,
+                 bad: torch.Tensor) -> tuple[Any, Any] | None:  # fmt: skip
+        from ftitan.train import regional
+
+        if not self.partitionable:
+            return None
+        states, merge = regional.split_state(opt_state, params, parts, own_scalars=self.donate)
         new = []
         for i, (sel, s) in enumerate(zip(parts.select, states, strict=True)):
             try:
-                new.append(compiled(sel(grads), s, sel(state.params), total, bad))
+                new.append(self._part(sel(grads), s, sel(params), total, bad))
             except T.NotPartitionable:
                 if i:  # earlier parts wrote their donated buffers: nothing to fall back to
                     raise
-                whole_only = True
-                return whole(state, grads, loss, aux)
-        params = parts.assemble([p for p, _ in new])
-        opt_state = merge([s for _, s in new], into=state.opt_state if donate else None)
+                self.partitionable = False
+                return None
+        return parts.assemble([p for p, _ in new]), merge([s for _, s in new], into=opt_state if self.donate else None)
+
+
+def _by_layers(whole: Callable[..., Any], optimizer: optim.Transform, backend: str, donate: bool) -> Callable[..., Any]:
+    """The update half run by :class:`LayerUpdate`; params that are not cut in layers, and an optimizer that
+    turns out not to run by parts, take ``whole``, the update compiled whole."""
+    layered = LayerUpdate(optimizer, backend, donate)
+
+    def run(state: TrainState, grads: Any, loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> Any:
+        # inside tree.norm_across (a tree split over processes) the norm must be combined: the whole update does
+        parts = None if not layered.partitionable or T.norm_is_combined() else LayerUpdate.parts_of(state.params, grads)
+        if parts is None:
+            return whole(state, grads, loss, aux)
+        total, bad = layered.stats(parts, grads)
+        out = layered(parts, grads, state.opt_state, state.params, total, bad)
+        if out is None:
+            return whole(state, grads, loss, aux)
+        params, opt_state = out
         metrics = {"loss": loss.detach(), "grad_norm": torch.sqrt(total), **aux}
         lr = optim.find_lr(opt_state)
         if lr is not None:
