@@ -18,9 +18,15 @@ Inside, per step:
    ``ftitan.optim`` works unchanged.
 
 ``compile=True`` (or a backend name, e.g. ``"aot_eager"``) compiles steps
-1-2 with ``fullgraph=True``; the optimizer runs eagerly on DTensors.
-``compile="regional"`` (``"regional:<backend>"``) compiles each block once
-instead (``ftitan.train.regional``).
+1-2 with ``fullgraph=True``; ``compile="regional"`` (``"regional:<backend>"``)
+compiles each block once instead (``ftitan.train.regional``). A compiled
+step also compiles step 3 where the optimizer is ``Transform.leafwise``
+(AdamW, SGD, behind clipping and the non-finite guard): each rank updates
+its own shards, layer by layer through one compiled update per layer kind
+(``ftitan.train.step.LayerUpdate``), given the whole gradient's sum of
+squares and non-finite flags, which one all-reduce of a vector (two
+numbers a leaf) brings; the other optimizers (Muon) run eagerly on
+DTensors.
 
 ``precision`` (``ftitan.train.MixedPrecision``) moves step 1 to its
 compute dtype: each local shard is cast before its FSDP all-gather (the
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,16 +51,17 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ftitan import optim
 from ftitan import tree as T
+from ftitan.optim import finite
 from ftitan.parallel import collectives as C
 from ftitan.parallel.activations import split_sequence
 from ftitan.parallel.layout import Layout, use
 from ftitan.parallel.rules import Sharding
-from ftitan.parallel.shard import from_local, gathered, to_local
+from ftitan.parallel.shard import from_local, gathered, local_shard, to_local
 from ftitan.train import regional
 from ftitan.train.precision import MixedPrecision
 from ftitan.optim.masking import merge, subset
 from ftitan.train.state import Trainable, TrainState
-from ftitan.train.step import value_and_grad
+from ftitan.train.step import LayerUpdate, update_runs_by_layers, value_and_grad
 
 __all__ = ["loss_share", "make_parallel_loss", "make_train_step", "shard_batch", "sharding_of"]
 
@@ -171,6 +179,27 @@ def _compiled(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]
     return run
 
 
+def _global_stats(grads: Any, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole gradient's sum of squares and per-leaf non-finite flags (``LayerUpdate``'s statistics), from
+    this rank's shards of ``grads`` (DTensors on ``layout.storage_mesh``): one all-reduce over its axes of
+    each leaf's local sum of squares divided by the leaf's number of copies (ranks holding the same shard),
+    and of its non-finite flag (> 0 where any rank has one)."""
+    leaves = T.leaves(grads)
+    acc = T.norm_dtype(leaves)
+    world = math.prod(layout.sizes[a] for a in layout.storage_axes)
+    locals_, copies = [], []
+    for g in leaves:
+        shards = 1
+        if isinstance(g, DTensor):
+            shards = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_shard())
+        locals_.append(local_shard(g))
+        copies.append(world // shards)
+    squares = [sq / n for sq, n in zip(T.squares(locals_, acc), copies, strict=True)]
+    flags = [(c > 0).to(acc) for c in finite.nonfinite_counts(locals_)]
+    both = layout.sum(torch.stack([*squares, *flags]), layout.storage_axes)
+    return both[: len(leaves)].sum(), both[len(leaves) :] > 0
+
+
 def make_train_step(
     loss_fn: Callable[[Any, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]] | None,
     optimizer: optim.Transform,
@@ -225,6 +254,28 @@ def make_train_step(
             f"not supported yet; run pp > 1 in float32 (precision=None)"
         )
     cache: dict[Any, Callable[..., Any]] = {}
+    # a compiled step compiles the update too, on each rank's shards, where it runs by layers (see the module doc)
+    backend = regional.backend_of(compile) or (None if not compile else "inductor" if compile is True else compile)
+    layered = None
+    if backend is not None and grad_fn is None and layout.sizes["pp"] == 1 and update_runs_by_layers(
+            optimizer, trainable=trainable
+    ):
+        layered = LayerUpdate(optimizer, backend, donate=False)
+
+    def local_update(grads: Any, grads_local: Any, train: Any, opt_state: Any) -> tuple[Any, Any, Any] | None:
+        """``(params, opt_state, grad_norm)`` from the compiled update of the local shards, or ``None``."""
+        if layered is None or not layered.partitionable:
+            return None
+        params_local, state_local = T.map(local_shard, train), T.map(local_shard, opt_state)
+        parts = LayerUpdate.parts_of(params_local, grads_local)
+        if parts is None:
+            return None
+        total, bad = _global_stats(grads, layout)
+        out = layered(parts, grads_local, state_local, params_local, total, bad)
+        if out is None:
+            return None
+        new, state_new = out
+        return from_local(new, train), from_local(state_new, opt_state), torch.sqrt(total)
 
     def grad_fn_for(params: Any) -> Callable[..., Any]:
         shardings = T.map(sharding_of, params)
@@ -260,15 +311,19 @@ def make_train_step(
             else:
                 grads_local, (loss, aux) = grad_fn(subset(trainable, local), (local, batch))
         grads = from_local(grads_local, train)
-        # with pp > 1 each rank holds one stage: norms (clipping, the metric) add every stage's squares
-        across = T.norm_across(_pp_sum(layout)) if layout.sizes["pp"] > 1 else contextlib.nullcontext()
-        with implicit_replication(), across:
-            updates, opt_state = optimizer.update(grads, state.opt_state, train)
-            # whole-matrix algebra (Muon's Newton-Schulz) may leave an update placed otherwise: keep
-            # every param where the rules put it
-            new = T.map(_placed_like, optim.apply_updates(train, updates), train)
-            params = new if trainable is None else merge(state.params, new)
-            grad_norm = T.global_norm(grads)
+        compiled = local_update(grads, grads_local, train, state.opt_state)
+        if compiled is not None:
+            params, opt_state, grad_norm = compiled
+        else:
+            # with pp > 1 each rank holds one stage: norms (clipping, the metric) add every stage's squares
+            across = T.norm_across(_pp_sum(layout)) if layout.sizes["pp"] > 1 else contextlib.nullcontext()
+            with implicit_replication(), across:
+                updates, opt_state = optimizer.update(grads, state.opt_state, train)
+                # whole-matrix algebra (Muon's Newton-Schulz) may leave an update placed otherwise: keep
+                # every param where the rules put it
+                new = T.map(_placed_like, optim.apply_updates(train, updates), train)
+                params = new if trainable is None else merge(state.params, new)
+                grad_norm = T.global_norm(grads)
         axes = (*layout.data_axes(), "tp") if layout.tp > 1 else layout.data_axes()
         if layout.sizes["pp"] > 1:  # each pp rank holds one stage and its share of the loss
             axes = (*axes, "pp")

@@ -77,9 +77,7 @@ def grads_check(
             "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
 
 
-def steps_check(
-    name: str, degrees: dict[str, int], n_steps: int = 5, compile: bool | str = False, muon: bool = False
-) -> dict:
+def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5, muon: bool = False) -> dict:
     model = llama.model(tiny_llama())
     params = model.init(ft.random.key(0))
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
@@ -102,18 +100,76 @@ def steps_check(
 
     layout = parallel.Layout(parallel.mesh(**degrees))
     sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
-    step = parallel.make_train_step(loss_fn, opt, layout, compile=compile)
+    step = parallel.make_train_step(loss_fn, opt, layout)
     pstate = ft.train.init_state(sharded, opt)
     losses = []
-    for i, b in enumerate(batches):
-        # compiled: the first step compiles, later ones (new data, new lr) must not recompile
-        with torch._dynamo.config.patch(error_on_recompile=bool(compile) and i > 0):
-            pstate, m = step(pstate, parallel.shard_batch(b, layout))
+    for b in batches:
+        pstate, m = step(pstate, parallel.shard_batch(b, layout))
         losses.append(float(m["loss"]))
     final = parallel.unshard(pstate.params)
     return {"check": name, "losses": losses, "ref_losses": ref_losses,
             "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
             "param_diff": max_diff(final, state.params)}  # fmt: skip
+
+
+def compiled_steps_check(name: str, degrees: dict[str, int]) -> dict:
+    """Three steps of the compiled parallel step (aot_eager) against the eager one and one process. The steps
+    after the first (new data, a new warmup-cosine lr) must not recompile. The optimizer runs on each rank's
+    shards, compiled layer by layer with the global gradient statistics: AdamW behind an active clip and the
+    non-finite guard, whose second step gets an infinite loss. ``record``: the optimizer's calls outside a
+    compiled graph, and whether a traced one saw DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    lr = ft.optim.warmup_cosine(1e-2, warmup=0, total=3)  # a new lr each step (a tensor: no recompile)
+    inner = ft.optim.chain(ft.optim.clip_by_global_norm(0.05), ft.optim.adamw(lr, weight_decay=0.1))
+    base = ft.optim.apply_if_finite(inner, 3)
+    record = {"eager_calls": 0, "eager_dtensor": None, "traced_dtensor": None}  # keys stay put: dynamo guards them
+
+    def spy(grads, state, params=None):
+        if torch.compiler.is_compiling():  # a constant to dynamo: no graph break, nothing traced
+            record["traced_dtensor"] = isinstance(ft.tree.leaves(grads)[0], DTensor)
+        else:
+            record["eager_calls"] += 1
+            record["eager_dtensor"] = isinstance(ft.tree.leaves(grads)[0], DTensor)
+        return base.update(grads, state, params)
+
+    opt = base._replace(update=spy)
+    lm = ft.train.next_token_loss(model, chunk_size=24)
+
+    def loss_fn(p, b):  # rows carry a scale: inf makes every gradient non-finite
+        loss, aux = lm(p, {k: b[k] for k in ("inputs", "targets")})
+        return loss * b["scale"][0], aux
+
+    batches = []
+    for i, scale in enumerate((1.0, float("inf"), 1.0)):
+        tok = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(200 + i))
+        batches.append({"inputs": tok[:, :-1], "targets": tok[:, 1:], "scale": torch.full((4,), scale)})
+    ref_step, ref = ft.train.make_train_step(loss_fn, opt), ft.train.init_state(params, opt)
+    ref_params = []
+    for b in batches:
+        ref, _ = ref_step(ref, b)
+        ref_params.append(ref.params)
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+    out: dict = {"check": name}
+    for label, compile in (("eager", False), ("compiled", "aot_eager")):
+        record.update(eager_calls=0, eager_dtensor=None, traced_dtensor=None)
+        step, state = parallel.make_train_step(loss_fn, opt, layout, compile=compile), ft.train.init_state(sharded, opt)
+        diffs, norms, full = [], [], []
+        for i, (b, want) in enumerate(zip(batches, ref_params, strict=True)):
+            with torch._dynamo.config.patch(error_on_recompile=bool(compile) and i > 0):
+                state, m = step(state, parallel.shard_batch(b, layout))
+            full.append(parallel.unshard(state.params))
+            diffs.append(max_diff(full[-1], want))
+            norms.append(float(m["grad_norm"]))
+        guard = ft.optim.find_finite_guard(state.opt_state)
+        out[label] = {"diffs": diffs, "grad_norms": norms, "record": dict(record), "skipped_moved": max_diff(full[1], full[0]),
+                      "total_notfinite": int(guard.total_notfinite)}  # fmt: skip
+        out[f"{label}_params"] = parallel.unshard(state.params)
+    out["eager_vs_compiled"] = max_diff(out.pop("eager_params"), out.pop("compiled_params"))
+    return out
 
 
 def shard_as_check(name: str) -> dict:
@@ -216,8 +272,8 @@ CHECKS = {
     "tp2_cp2_math": lambda: grads_check("tp2_cp2_math", "qwen3", {"tp": 2, "cp": 2}, impl="math"),
     "steps_dp_shard2_tp2": lambda: steps_check("steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
     "muon_steps_dp_shard2_tp2": lambda: steps_check("muon_steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}, 3, muon=True),
-    "compiled_steps_dp_shard2_tp2": lambda: steps_check(
-        "compiled_steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}, n_steps=3, compile="aot_eager"
+    "compiled_steps_dp_shard2_tp2": lambda: compiled_steps_check(
+        "compiled_steps_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}
     ),
 }
 
