@@ -24,9 +24,9 @@ step also compiles step 3 where the optimizer is ``Transform.leafwise``
 (AdamW, SGD, behind clipping and the non-finite guard): each rank updates
 its own shards, layer by layer through one compiled update per layer kind
 (``ftitan.train.step.LayerUpdate``), given the whole gradient's sum of
-squares and non-finite flags, which one all-reduce of a vector (two
-numbers a leaf) brings; the other optimizers (Muon) run eagerly on
-DTensors.
+squares and non-finite flags, which one all-reduce per mesh axis of a
+vector (two numbers a leaf) brings; the other optimizers (Muon) run
+eagerly on DTensors.
 
 ``precision`` (``ftitan.train.MixedPrecision``) moves step 1 to its
 compute dtype: each local shard is cast before its FSDP all-gather (the
@@ -181,7 +181,7 @@ def _compiled(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]
 
 def _global_stats(grads: Any, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole gradient's sum of squares and per-leaf non-finite flags (``LayerUpdate``'s statistics), from
-    this rank's shards of ``grads`` (DTensors on ``layout.storage_mesh``): one all-reduce over its axes of
+    this rank's shards of ``grads`` (DTensors on ``layout.storage_mesh``): one all-reduce per axis of it, of
     each leaf's local sum of squares divided by the leaf's number of copies (ranks holding the same shard),
     and of its non-finite flag (> 0 where any rank has one)."""
     leaves = T.leaves(grads)
@@ -191,7 +191,8 @@ def _global_stats(grads: Any, layout: Layout) -> tuple[torch.Tensor, torch.Tenso
     for g in leaves:
         shards = 1
         if isinstance(g, DTensor):
-            shards = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if p.is_shard())
+            # every placement but Replicate splits a leaf in distinct pieces (torch's _StridedShard is no is_shard())
+            shards = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if not p.is_replicate())
         locals_.append(local_shard(g))
         copies.append(world // shards)
     squares = [sq / n for sq, n in zip(T.squares(locals_, acc), copies, strict=True)]
