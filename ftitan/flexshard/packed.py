@@ -57,6 +57,13 @@ def unpack(every: torch.Tensor, shapes: Shapes, dims: Sequence[int], compute: to
     sizes = _sizes(shapes, quantize, block)
     ends, outs = [0] * every.shape[0], []
     for k, per_rank in enumerate(shapes):
+        if quantize is not None and len(set(per_rank)) == 1 and math.prod(per_rank[0]) and len(set(ends)) == 1:
+            # every rank's part alike and at the same offset (even shards): one dequantization for them all
+            start, size = ends[0], sizes[k][0]
+            ends = [e + size for e in ends]
+            rows = quant.decode_rows(every[:, start : start + size], per_rank[0], quantize, block, compute)
+            outs.append(torch.cat(rows.unbind(0), dim=dims[k]) if len(per_rank) > 1 else rows[0])
+            continue
         pieces = []
         for r, shape in enumerate(per_rank):
             raw = every[r, ends[r] : ends[r] + sizes[k][r]]

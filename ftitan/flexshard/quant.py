@@ -19,8 +19,8 @@ import torch
 
 from ftitan.kernels import op
 
-__all__ = ["BLOCK", "FORMATS", "Block", "decode", "dequantize", "dequantize_reference", "encode", "encoded_bytes",
-           "error_bound", "n_scales", "quantize", "quantize_reference"]  # fmt: skip
+__all__ = ["BLOCK", "FORMATS", "Block", "decode", "decode_rows", "dequantize", "dequantize_reference", "encode",
+           "encoded_bytes", "error_bound", "n_scales", "quantize", "quantize_reference"]  # fmt: skip
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS: dict[str, tuple[torch.dtype, float]] = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -146,3 +146,17 @@ def decode(buf: torch.Tensor, shape: Sequence[int], fmt: str, block: Block = BLO
     q = buf[:n].view(FORMATS[fmt][0]).reshape(tuple(shape))
     scales = buf[n : n + 4 * n_scales(shape, block)].clone().view(torch.float32)  # (a copy: 4-byte aligned)
     return dequantize(q, scales, block, dtype)
+
+
+def decode_rows(bufs: torch.Tensor, shape: Sequence[int], fmt: str, block: Block = BLOCK,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """:func:`decode` of each row of ``bufs`` (``(k, encoded_bytes(shape, block))``: ``k`` buffers of tensors
+    of ``shape``, e.g. every rank's part of a leaf in an all-gather's result) in one dequantization:
+    ``(k, *shape)``, the values row by row :func:`decode` gives (the same products)."""
+    n, k = math.prod(shape), bufs.shape[0]
+    if not n:
+        return torch.zeros((k, *shape), dtype=dtype, device=bufs.device)
+    matrix = tuple(shape) if len(shape) >= 2 else (1, n)  # a vector is one row of blocks, as quantize tiles it
+    q = bufs[:, :n].view(FORMATS[fmt][0]).reshape(k, *matrix)
+    scales = bufs[:, n : n + 4 * n_scales(shape, block)].contiguous().view(torch.float32)  # (4-byte aligned)
+    return dequantize(q, scales.reshape(-1), block, dtype).reshape(k, *shape)
