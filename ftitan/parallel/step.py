@@ -51,7 +51,6 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from ftitan import optim
 from ftitan import tree as T
-from ftitan.optim import finite
 from ftitan.parallel import collectives as C
 from ftitan.parallel.activations import split_sequence
 from ftitan.parallel.layout import Layout, use
@@ -179,26 +178,26 @@ def _compiled(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]
     return run
 
 
-def _global_stats(grads: Any, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole gradient's sum of squares and per-leaf non-finite flags (``LayerUpdate``'s statistics), from
-    this rank's shards of ``grads`` (DTensors on ``layout.storage_mesh``): one all-reduce per axis of it, of
-    each leaf's local sum of squares divided by the leaf's number of copies (ranks holding the same shard),
-    and of its non-finite flag (> 0 where any rank has one)."""
-    leaves = T.leaves(grads)
-    acc = T.norm_dtype(leaves)
+def _copies(grads: Any, layout: Layout) -> list[int]:
+    """Per leaf of ``grads`` (DTensors on ``layout.storage_mesh``), how many ranks hold each of its shards:
+    every placement but Replicate splits a leaf (torch's ``_StridedShard`` is no ``is_shard()``)."""
     world = math.prod(layout.sizes[a] for a in layout.storage_axes)
-    locals_, copies = [], []
-    for g in leaves:
-        shards = 1
-        if isinstance(g, DTensor):
-            # every placement but Replicate splits a leaf in distinct pieces (torch's _StridedShard is no is_shard())
-            shards = math.prod(g.device_mesh.size(i) for i, p in enumerate(g.placements) if not p.is_replicate())
-        locals_.append(local_shard(g))
-        copies.append(world // shards)
-    squares = [sq / n for sq, n in zip(T.squares(locals_, acc), copies, strict=True)]
-    flags = [(c > 0).to(acc) for c in finite.nonfinite_counts(locals_)]
-    both = layout.sum(torch.stack([*squares, *flags]), layout.storage_axes)
-    return both[: len(leaves)].sum(), both[len(leaves) :] > 0
+    out = []
+    for g in T.leaves(grads):
+        placements = g.placements if isinstance(g, DTensor) else ()
+        out.append(world // math.prod(g.device_mesh.size(i) for i, p in enumerate(placements) if not p.is_replicate()))
+    return out
+
+
+def _global_stats(squares: list[torch.Tensor], flags: list[torch.Tensor], copies: list[int],
+                  layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The whole gradient's sum of squares and per-leaf non-finite flags (``LayerUpdate``'s statistics) from
+    this rank's per-leaf ones (``LayerUpdate.leaf_stats`` of its shards): one all-reduce per storage-mesh axis
+    of each leaf's sum of squares divided by its ``copies`` and of its flag (> 0 where any rank has one)."""
+    acc = squares[0].dtype
+    both = layout.sum(torch.stack([*(sq / n for sq, n in zip(squares, copies, strict=True)),
+                                   *(f.to(acc) for f in flags)]), layout.storage_axes)  # fmt: skip
+    return both[: len(squares)].sum(), both[len(squares) :] > 0
 
 
 def make_train_step(
@@ -271,7 +270,7 @@ def make_train_step(
         parts = LayerUpdate.parts_of(params_local, grads_local)
         if parts is None:
             return None
-        total, bad = _global_stats(grads, layout)
+        total, bad = _global_stats(*layered.leaf_stats(parts, grads_local), _copies(grads, layout), layout)
         out = layered(parts, grads_local, state_local, params_local, total, bad)
         if out is None:
             return None

@@ -252,12 +252,12 @@ class LayerUpdate:
     layer (``regional.layer_parts``): its compile does not grow with depth, as a whole-tree compile's does
     (inductor's scheduling grows faster than the number of leaves). Clipping and the non-finite guard read
     the whole gradient tree's statistics, given to each part (``tree.as_part_of``): ``stats`` computes them
-    from a tree of plain tensors; a tree split over processes brings its own (``ftitan.parallel``'s step:
-    each rank updates its shards with the global statistics).
+    from a tree of plain tensors; a tree split over processes combines each rank's ``leaf_stats`` of its
+    shards (``ftitan.parallel``'s step: each rank updates its shards with the global statistics).
 
     Called as ``(parts, grads, opt_state, params, total, bad)``, it returns ``(params, opt_state)``, or
-    ``None`` when the optimizer turns out not to run by parts (``tree.NotPartitionable`` on the first part; every later
-    call then returns ``None`` at once, and the caller takes its whole-tree path)."""
+    ``None`` when the optimizer turns out not to run by parts (``tree.NotPartitionable`` on the first part;
+    every later call then returns ``None`` at once, and the caller takes its whole-tree path)."""
 
     def __init__(self, optimizer: optim.Transform, backend: str, donate: bool) -> None:
         def part(grads: Any, opt_state: Any, params: Any, squares: torch.Tensor, bad: torch.Tensor) -> Any:
@@ -284,16 +284,22 @@ class LayerUpdate:
             return None
         return parts if T.structure(grads) == T.structure(params) else None
 
-    def stats(self, parts: Any, grads: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sum of squares, per-leaf non-finite flags)`` of the whole ``grads``, in its leaf order (the sum
-        ``tree.global_norm`` takes), computed part by part."""
+    def leaf_stats(self, parts: Any, grads: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each leaf's sum of squares and non-finite flag (0-d tensors), in the whole ``grads``' leaf order,
+        computed part by part (the compiled ``_part_stats``, once per layer kind)."""
         acc = T.norm_dtype(T.leaves(grads))
         specs = [T.structure(sel(grads)) for sel in parts.select]
         got = [self._stats(T.leaves(sel(grads)), acc) for sel in parts.select]
         # back into the whole tree's leaf order, which global_norm sums in and the guard's bad_leaf counts in
         squares = parts.assemble([T.unflatten(spec, sq) for spec, (sq, _) in zip(specs, got, strict=True)])
         flags = parts.assemble([T.unflatten(spec, b) for spec, (_, b) in zip(specs, got, strict=True)])
-        return torch.stack(T.leaves(squares)).sum(), torch.stack(T.leaves(flags))
+        return T.leaves(squares), T.leaves(flags)
+
+    def stats(self, parts: Any, grads: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum of squares, per-leaf non-finite flags)`` of the whole ``grads``, in its leaf order (the sum
+        ``tree.global_norm`` takes)."""
+        squares, flags = self.leaf_stats(parts, grads)
+        return torch.stack(squares).sum(), torch.stack(flags)
 
     def __call__(self, parts: Any, grads: Any, opt_state: Any, params: Any, total: torch.Tensor,
                  bad: torch.Tensor) -> tuple[Any, Any] | None:  # fmt: skip
