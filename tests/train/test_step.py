@@ -142,7 +142,6 @@ def test_donated_step_updates_in_place_with_the_pure_values(setup, compiled):
     loss_fn = ft.train.next_token_loss(model)
     pure, donated = (ft.train.make_train_step(loss_fn, opt, donate=d) for d in (False, True))
     if compiled:
-        torch._dynamo.reset()
         donated = torch.compile(donated, fullgraph=True)
     batches = [make_batch(cfg, seed=i) for i in range(4)]
     state = ft.train.init_state(T.map(torch.clone, params), opt)
