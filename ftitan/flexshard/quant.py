@@ -140,23 +140,19 @@ def encode(x: torch.Tensor, fmt: str, block: Block = BLOCK) -> torch.Tensor:
 def decode(buf: torch.Tensor, shape: Sequence[int], fmt: str, block: Block = BLOCK,
            dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """:func:`encode`'s buffer (of a tensor of ``shape``) back to values in ``dtype``."""
-    n = math.prod(shape)
-    if not n:
-        return torch.zeros(tuple(shape), dtype=dtype, device=buf.device)
-    q = buf[:n].view(FORMATS[fmt][0]).reshape(tuple(shape))
-    scales = buf[n : n + 4 * n_scales(shape, block)].clone().view(torch.float32)  # (a copy: 4-byte aligned)
-    return dequantize(q, scales, block, dtype)
+    return decode_rows(buf[None], shape, fmt, block, dtype)[0]
 
 
 def decode_rows(bufs: torch.Tensor, shape: Sequence[int], fmt: str, block: Block = BLOCK,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
     """:func:`decode` of each row of ``bufs`` (``(k, encoded_bytes(shape, block))``: ``k`` buffers of tensors
     of ``shape``, e.g. every rank's part of a leaf in an all-gather's result) in one dequantization:
-    ``(k, *shape)``, the values row by row :func:`decode` gives (the same products)."""
+    ``(k, *shape)`` in ``dtype``. Each row's values and scales are multiplied as its own :func:`decode` would
+    (a vector is one row of blocks, as :func:`quantize` tiles it), so the values are the same."""
     n, k = math.prod(shape), bufs.shape[0]
     if not n:
         return torch.zeros((k, *shape), dtype=dtype, device=bufs.device)
-    matrix = tuple(shape) if len(shape) >= 2 else (1, n)  # a vector is one row of blocks, as quantize tiles it
+    matrix = tuple(shape) if len(shape) >= 2 else (1, n)
     q = bufs[:, :n].view(FORMATS[fmt][0]).reshape(k, *matrix)
-    scales = bufs[:, n : n + 4 * n_scales(shape, block)].contiguous().view(torch.float32)  # (4-byte aligned)
+    scales = bufs[:, n : n + 4 * n_scales(shape, block)].contiguous().view(torch.float32)  # (a copy: 4-byte aligned)
     return dequantize(q, scales.reshape(-1), block, dtype).reshape(k, *shape)

@@ -58,20 +58,28 @@ def test_quantized_bucket_gathers_every_ranks_dequantized_parts():
 
 
 @pytest.mark.parametrize("fmt, block", [("int8", 128), ("fp8", 32), ("int8", (16, 16))])
-def test_even_parts_are_dequantized_in_one_call_with_the_per_rank_values(fmt, block):
+def test_even_parts_are_dequantized_in_one_call_with_the_per_rank_values(monkeypatch, fmt, block):
     """Where every rank's part of a leaf has one shape and offset (even shards), ``unpack`` decodes them
-    together (``quant.decode_rows``): the values of decoding each rank's part alone. An uneven leaf first
-    ("a": 5 rows over 4 ranks) shifts the later offsets apart, and the per-rank path takes over."""
+    together (one ``quant.decode_rows`` call of 4 rows a leaf): the values of decoding each rank's part alone.
+    An uneven leaf first ("a": 5 rows over 4 ranks) shifts the later offsets apart, and the per-rank path
+    (one row a call) takes over."""
     world = 4
-    for params in ({"e": _data(8, 300, seed=5), "u": _data(256, seed=6), "t": _data(4, 6, 64, seed=7)},
-                   {"a": _data(5, 64, seed=8), "e": _data(8, 300, seed=5)}):  # fmt: skip
+    calls: list[int] = []  # rows decoded by each decode_rows call inside unpack
+    decode_rows = quant.decode_rows
+    monkeypatch.setattr(quant, "decode_rows", lambda bufs, *a: calls.append(bufs.shape[0]) or decode_rows(bufs, *a))
+    for params, want_calls in (
+        ({"e": _data(8, 300, seed=5), "u": _data(256, seed=6), "t": _data(4, 6, 64, seed=7)}, [world] * 3),
+        ({"a": _data(5, 64, seed=8), "e": _data(8, 300, seed=5)}, [1] * 2 * world),
+    ):
         plans = [fs.plan(params, [fs.Bucket("**", fs.Shard(0), quantize=fmt, quant_block=block, name="q")],
                          world=world, rank=r) for r in range(world)]  # fmt: skip
         paths = [lp.path for lp in plans[0].members["q"]]
         shapes, dims = plans[0].part_shapes("q"), [plans[0].leaves[p].dim for p in paths]
         parts = [p.shard(params) for p in plans]
         every = torch.stack([packed.pack([pt[k] for k in paths], shapes, torch.float32, fmt, block) for pt in parts])
+        calls.clear()
         got = dict(zip(paths, packed.unpack(every, shapes, dims, torch.float32, fmt, block), strict=True))
+        assert calls == want_calls
         for k, path in enumerate(paths):
             per_rank = [quant.dequantize(*quant.quantize(pt[path], fmt, block), block) for pt in parts]
             assert torch.equal(got[path], torch.cat(per_rank, dim=dims[k])), path
