@@ -151,9 +151,10 @@ def test_donated_step_updates_in_place_with_the_pure_values(setup, compiled):
     want_state, want = _run(pure, ft.train.init_state(T.map(torch.clone, params), opt), batches)
     assert [x.data_ptr() for x in T.leaves((state.params, state.opt_state))] == buffers
     assert int(state.step) == 4
-    # eager: bit for bit. Inductor reorders float reductions and fuses the in-place update: 4 steps of Adam
-    # amplify ulp-level differences a little
-    tol = dict(rtol=1e-4, atol=1e-4) if compiled else dict(rtol=0, atol=0)
+    # eager: bit for bit. Inductor reorders float reductions and fuses the in-place update, so float sums
+    # round differently in the last place (measured against the eager step: 4.8e-7 on the loss ~5, 1.2e-7
+    # on a norm weight ~1 after 4 steps), the tolerance the test had against the compiled pure step
+    tol = dict(rtol=1e-5, atol=1e-7) if compiled else dict(rtol=0, atol=0)
     torch.testing.assert_close(got, want, **tol)
     assert_trees_close((state.params, state.opt_state), (want_state.params, want_state.opt_state), **tol)
 
