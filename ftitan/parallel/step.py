@@ -255,7 +255,7 @@ def make_train_step(
         )
     cache: dict[Any, Callable[..., Any]] = {}
     # a compiled step compiles the update too, on each rank's shards, where it runs by layers (see the module doc)
-    backend = regional.backend_of(compile) or (None if not compile else "inductor" if compile is True else compile)
+    backend = regional.backend_of(compile) or ("inductor" if compile is True else compile or None)
     layered = None
     if backend is not None and grad_fn is None and layout.sizes["pp"] == 1 and update_runs_by_layers(
             optimizer, trainable=trainable
