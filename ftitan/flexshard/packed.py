@@ -154,8 +154,8 @@ def packed_gather(
     compute = compute or parts[0].dtype
     if shapes is not None:
         shapes = tuple(tuple(tuple(s) for s in per_rank) for per_rank in shapes)
-    return _PackedGather.apply(shapes, tuple(dims), group, tuple(replicated), compute, reduce or compute, quantize,
-                               block, *parts)  # fmt: skip
+    return _apply(_PackedGather, shapes, tuple(dims), group, tuple(replicated), compute, reduce or compute, quantize,
+                  block, *parts)  # fmt: skip
 
 
 class _Replicated(torch.autograd.Function):
@@ -184,4 +184,14 @@ def replicated(parts: Sequence[torch.Tensor], groups: Sequence[DeviceMesh], *, c
     part's dtype); backward: their gradients packed in ``reduce`` (default: ``compute``) and all-reduced
     once per group in ``groups`` (the groups whose ranks saw other data), returned in the parts' dtypes."""
     compute = compute or parts[0].dtype
-    return _Replicated.apply(tuple(groups), compute, reduce or compute, *parts)
+    return _apply(_Replicated, tuple(groups), compute, reduce or compute, *parts)
+
+
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)`` where a gradient is wanted, its forward alone where none is (no grad mode, or no
+    part requires one). Under torch 2.13's dynamo, ``apply`` with no gradient wanted bound these Functions'
+    arguments one place off (the forward of ``_PackedGather`` saw a dtype as ``quantize``): the compiled
+    forward of a sharded model (evaluation under ``torch.no_grad()``, generation) failed in the trace."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return fn.apply(*args)
+    return fn.forward(*args)

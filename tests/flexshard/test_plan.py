@@ -143,3 +143,22 @@ def test_parts_place_every_part_and_state_leaf_in_its_full_tensor():
                          ((p[len("params."):], v) for p, v in flat.items() if v in owned))  # fmt: skip
     back = plan.from_parts(parts)
     assert all(a is b for a, b in zip(ft.tree.leaves(back), ft.tree.leaves(state), strict=True))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("grad", ["no_grad", "no_requires_grad", "requires_grad"])
+def test_gathers_compile_fullgraph_with_or_without_a_gradient(quantize, grad):
+    """``packed_gather`` and ``replicated`` (one rank: no collective) compiled with fullgraph give the eager
+    leaves, also where no gradient is wanted (a compiled evaluation or generation of a sharded model):
+    torch 2.13's dynamo bound the Functions' arguments one place off there, and the trace failed."""
+    a, b, scale = (torch.randn(4, 64), torch.randn(2, 64), torch.randn(64))
+
+    def f(a, b, scale):
+        return (*packed.packed_gather([a, b], None, [0, 0], None, quantize=quantize), *packed.replicated([scale], ()))
+
+    want = f(a, b, scale)
+    inputs = [x.clone().requires_grad_(grad == "requires_grad") for x in (a, b, scale)]
+    with torch.set_grad_enabled(grad != "no_grad"):
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs)
+    assert len(got) == 3 and all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert all(x.requires_grad == (grad == "requires_grad") for x in got)
