@@ -320,7 +320,7 @@ CHECKS.update({
 def trainer_quantized_check(name: str, steps: int = 30) -> dict:
     """The trainer's dp_shard step (``parallel.make_train_step``, 4 ranks) with int8 gathers against float32
     ones: losses within 2%, the gathers' bytes, and the compiled step (aot_eager) giving the eager losses."""
-    model = llama.model(tiny_llama())
+    model = llama.model(tiny_llama(n_layers=1))
     params = model.init(ft.random.key(0))
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
     layout = parallel.Layout(parallel.mesh(dp_shard=4))

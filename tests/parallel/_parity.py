@@ -27,7 +27,8 @@ torch.set_num_threads(1)
 
 def tiny_llama(**kw):
     return attrs.evolve(
-        llama.Config.debug(), vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, **kw
+        llama.Config.debug(), **{"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+                                 "ffn_dim": 128, **kw}
     )
 
 
@@ -120,7 +121,7 @@ def compiled_steps_check(name: str, degrees: dict[str, int]) -> dict:
     compiled graph, and whether a traced one saw DTensors."""
     from torch.distributed.tensor import DTensor
 
-    model = llama.model(tiny_llama())
+    model = llama.model(tiny_llama(n_layers=1))
     params = model.init(ft.random.key(0))
     lr = ft.optim.warmup_cosine(1e-2, warmup=0, total=3)  # a new lr each step (a tensor: no recompile)
     inner = ft.optim.chain(ft.optim.clip_by_global_norm(0.05), ft.optim.adamw(lr, weight_decay=0.1))

@@ -120,11 +120,12 @@ def test_ep_gradient_compiles_fullgraph_without_host_sync_and_equals_eager(parit
     assert "error" not in r, r["error"]
     assert r["loss_diff"] <= 1e-6 and r["grad_diff"] <= 1e-6
     assert r["graphs"] == 1  # one graph (a graph break would be an error under fullgraph anyway)
-    assert r["graph_all_to_all"] == 4 * r["n_moe_layers"]
+    assert r["n_moe_layers"] >= 1 and r["graph_all_to_all"] == 4 * r["n_moe_layers"]
     assert r["graph_all_to_all_splits"] == ["[32, 32]"]  # (ep N) rows in 2 equal blocks: batch 4 x 16 / 2
     # overlap, per MoE layer: the dispatch exchange is waited on after the shared expert's 3 matmuls, and
     # its reverse (backward) after the shared expert's 6 gradient matmuls; the combine exchanges wait at once
-    assert sorted(r["matmuls_in_flight"]) == [0, 0, 0, 0, 3, 3, 6, 6], r["matmuls_in_flight"]
+    n = r["n_moe_layers"]
+    assert sorted(r["matmuls_in_flight"]) == [0] * 2 * n + [3] * n + [6] * n, r["matmuls_in_flight"]
     assert "NotImplementedError" in r["sync_error"] and "host sync" in r["sync_error"], r["sync_error"]
 
 
