@@ -27,26 +27,29 @@ def records(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """``ftitan rl --recipe grpo-arith`` for 20 steps, compiled, its SFT stage included: the run directory."""
+    """``ftitan rl --recipe grpo-arith`` for 6 steps, its SFT stage included, each compiled by regions (each
+    block compiled once for its layers: ~50 s less cold compiling than whole steps here; whole compiled GRPO
+    steps are checked in tests/rl/test_losses.py and test_batch_invariant.py): the run directory."""
     run = tmp_path_factory.mktemp("rl") / "run"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["rl", "--recipe", "grpo-arith", "--steps", "20", "--run-dir", str(run), "--eval-every", "10",
-                     "--rl.eval-prompts", "20"]) == 0  # fmt: skip
-    assert "done: 20 RL steps" in out.getvalue() and "held-out reward" in out.getvalue()
+        assert main(["rl", "--recipe", "grpo-arith", "--steps", "6", "--optim.warmup", "2", "--run-dir", str(run),
+                     "--eval-every", "3", "--rl.eval-prompts", "20", "--compile", "regional"]) == 0  # fmt: skip
+    assert "done: 6 RL steps" in out.getvalue() and "held-out reward" in out.getvalue()
     return run
 
 
 def test_grpo_arith_smoke_from_the_cli(smoke, capsys):
     run = smoke
-    assert main(["rl", "--recipe", "grpo-arith", "--steps", "10", "--run-dir", str(run), "--resume"]) != 0
-    assert "already at step 20" in capsys.readouterr().err
+    assert main(["rl", "--recipe", "grpo-arith", "--steps", "4", "--optim.warmup", "2", "--run-dir", str(run),
+                 "--resume"]) != 0
+    assert "already at step 6" in capsys.readouterr().err
     steps = [r for r in records(run) if "reward" in r]
-    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert [r["step"] for r in steps] == list(range(1, 7))
     assert all(STEP_KEYS <= r.keys() for r in steps)
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in steps)
     assert all(r["mismatch_kl"] < 1e-6 for r in steps)  # the generator is the trainer's own model
-    assert [r["step"] for r in records(run) if "eval.reward" in r] == [0, 10, 20]
+    assert [r["step"] for r in records(run) if "eval.reward" in r] == [0, 3, 6]
     assert (run / "reward.png").stat().st_size > 0 and any((run / "tensorboard").iterdir())
     assert (run / "sft" / "checkpoints").is_dir() and (run / "tokenizer.json").is_file()
     # the run directory is an ordinary one: ftitan generate reads its newest checkpoint
