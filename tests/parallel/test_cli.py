@@ -57,10 +57,10 @@ def test_parallel_run_from_the_cli_matches_the_single_process_run(tmp_path, sing
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_fail_at_start(tmp_path):
-    bad = _torchrun(*ARGS, "--parallel.tp", "2", "--run-dir", str(tmp_path / "bad"))
+    bad = _torchrun(*ARGS, "--parallel.tp", "4", "--run-dir", str(tmp_path / "bad"), nproc=2)
     assert bad.returncode != 0
-    assert "degrees tp 2 = 2, but 4 processes were launched" in bad.stderr
-    assert "--parallel.dp-shard 4" in bad.stderr  # the fix
+    assert "degrees tp 4 = 4, but 2 processes were launched" in bad.stderr
+    assert "--parallel.dp-shard 2" in bad.stderr and "--nproc-per-node 4" in bad.stderr  # the fixes
     assert not (tmp_path / "bad").exists()  # nothing was written
 
 
@@ -80,8 +80,8 @@ def test_expert_parallel_recipe_matches_the_single_process_run(tmp_path):
 
 
 def test_streamed_corpus_resumes_on_another_data_parallel_degree(tmp_path):
-    """dp_shard 2 x tp 2 reads a sharded JSONL corpus, each data rank its own rows; resumed on one process,
-    the run sees the same global batches: its losses are the uninterrupted single-process run's."""
+    """dp_shard 2 (two processes) reads a sharded JSONL corpus, each data rank its own rows; resumed on one
+    process, the run sees the same global batches: its losses are the uninterrupted single-process run's."""
     import ftitan as ft
 
     corpus = tmp_path / "corpus"
@@ -94,7 +94,7 @@ def test_streamed_corpus_resumes_on_another_data_parallel_degree(tmp_path):
     ref = train(parse_train_args([*args, "--steps", "4", "--run-dir", str(tmp_path / "ref")]), progress=False)
     ref_losses = [r["loss"] for r in ref["records"] if "loss" in r]
     run = tmp_path / "run"
-    par = _torchrun(*args, "--steps", "2", "--parallel.dp-shard", "2", "--parallel.tp", "2", "--run-dir", str(run))
+    par = _torchrun(*args, "--steps", "2", "--parallel.dp-shard", "2", "--run-dir", str(run), nproc=2)
     assert par.returncode == 0, par.stderr[-4000:]
     resumed = train(parse_train_args([*args, "--steps", "4", "--run-dir", str(run)]), resume=True, progress=False)
     got = [r["loss"] for r in resumed["records"] if "loss" in r]
