@@ -103,7 +103,9 @@ class Checkpointer:
     def save(self, step: int, tree: Any, *, extra: dict[str, Any] | None = None) -> Path:
         """Start saving ``tree`` as ``directory/step_{step:08d}``; returns that path (committed once
         :meth:`wait` on rank 0, or :meth:`finish` everywhere, returns). Blocks until this rank's blocks
-        are staged (and, first, until the previous save's own part is done)."""
+        are staged (and, first, until the previous save's own part is done). The ``"sync"`` backend
+        returns on every rank once the checkpoint is committed (a :meth:`finish`), raising everywhere
+        if any rank's part failed."""
         if self._closed:
             raise RuntimeError(f"Checkpointer({str(self.directory)!r}) is closed; make a new one to save again")
         step = check_step(step)
@@ -120,10 +122,18 @@ class Checkpointer:
             self._abandon(tmp, e)
             raise
         job = functools.partial(self._complete, tmp, final, step, plan, done, meta)
-        if self._worker is None:
-            job()
-        else:
+        if self._worker is not None:
             self._pending = self._worker.submit(job)
+        elif self.size == 1:
+            job()
+        else:  # "sync": every rank returns once rank 0 has committed (a rank that died right after its own
+            # write, before rank 0's rename, lost that checkpoint when its launcher stopped rank 0)
+            self._pending = Future()
+            try:
+                self._pending.set_result(job())
+            except Exception as e:  # noqa: BLE001 - raised on every rank by finish()
+                self._pending.set_exception(e)
+            self.finish()
         return final
 
     def _complete(self, tmp: Path, final: Path, step: int, plan: SavePlan, done: Any, extra: dict[str, Any]) -> Path:

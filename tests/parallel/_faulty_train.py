@@ -6,7 +6,9 @@
 - ``"R:step:N"``: rank R, just before it runs step N (its peers then wait in that step's collectives);
 - ``"R:stop:N"``: the same, but SIGSTOP: a hung rank, alive and silent (torchrun's SIGKILL ends it);
 - ``"R:commit:N"``: rank R (0 commits), just before the checkpoint of step N is renamed into place,
-  i.e. mid-save: every file written, the commit not done.
+  i.e. mid-save: every file written, the commit not done;
+- ``"R:slow-commit:N"``: rank R waits 3 s before that rename, then commits (a slow file system).
+Several, comma-separated: ``"1:step:5,0:slow-commit:4"``.
 ``FTITAN_TEST_KILL_ATTEMPT`` (default 0): only in that torchrun attempt (``TORCHELASTIC_RESTART_COUNT``),
 so a ``--max-restarts`` relaunch runs clean.
 """
@@ -17,6 +19,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -41,19 +44,21 @@ def _arm(rank: int, where: str, step: int) -> None:
             return run
 
         runtime.Runtime.make_step = dying_make_step
-    elif where == "commit":
+    elif where in ("commit", "slow-commit"):
         final = f"step_{step:08d}"
         for name in ("rename", "replace"):
             original = getattr(os, name)
 
             def dying(src, dst, *args, _original=original, **kwargs):
                 if Path(dst).name == final:
-                    _die()
+                    if where == "commit":
+                        _die()
+                    time.sleep(3.0)
                 return _original(src, dst, *args, **kwargs)
 
             setattr(os, name, dying)
     else:
-        raise ValueError(f"FTITAN_TEST_KILL: unknown place {where!r}; use step, stop or commit")
+        raise ValueError(f"FTITAN_TEST_KILL: unknown place {where!r}; use step, stop, commit or slow-commit")
 
 
 def main() -> int:
@@ -61,9 +66,10 @@ def main() -> int:
     spec = os.environ.get("FTITAN_TEST_KILL", "")
     attempt = os.environ.get("FTITAN_TEST_KILL_ATTEMPT", "0")
     if spec and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == attempt:
-        rank, where, step = spec.split(":")
-        if int(os.environ["RANK"]) == int(rank):
-            _arm(int(rank), where, int(step))
+        for one in spec.split(","):
+            rank, where, step = one.split(":")
+            if int(os.environ["RANK"]) == int(rank):
+                _arm(int(rank), where, int(step))
     from ftitan.__main__ import main as ftitan_main
 
     return ftitan_main(sys.argv[1:])

@@ -112,8 +112,10 @@ def test_a_rank_whose_peers_never_arrive_fails_in_time_naming_them(tmp_path, cor
 def test_a_dead_rank_stops_the_others_with_one_line_and_keeps_the_checkpoint(tmp_path, corpus, layout, dead):
     run = tmp_path / "run"
     t0 = time.perf_counter()
-    # one rank dies before step 5; steps 2 and 4 were checkpointed (sync: committed when save returns)
-    proc = _torchrun(run, corpus, "--checkpoint.backend", "sync", kill=f"{dead}:step:5", layout=layout)
+    # one rank dies before step 5; steps 2 and 4 were checkpointed (sync: committed on every rank when save
+    # returns, also when rank 0's rename of step 4 is slow: the dead rank cannot reach step 5 before it)
+    proc = _torchrun(run, corpus, "--checkpoint.backend", "sync", kill=f"{dead}:step:5,0:slow-commit:4",
+                     layout=layout)  # fmt: skip
     assert proc.returncode != 0 and time.perf_counter() - t0 < 300
     assert _newest(run) == 4
     _assert_survivors_report(proc, dead=dead, newest=4, world=2 if len(layout) == 2 else 4)
