@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/python -m ftitan generate --run runs/llama3-debug --n 3 --prompt "def "
 
 # two workers (pytest-xdist) of one torch thread each (tests/conftest.py): the suite is mostly single-threaded
-# compiling and Python; a fresh clone's make test took 16.4 min on 2 cores of an AVX512 Xeon and 25.0 min on
+# compiling and Python; a fresh clone's make test took 16.4 min on 2 cores of an AVX512 Xeon and 25.1 min on
 # 2 cores of an AVX2 EPYC, install included (2026-12-06)
 PYTEST := $(BIN)/python -m pytest -n 2
 
