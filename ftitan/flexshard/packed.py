@@ -189,9 +189,10 @@ def replicated(parts: Sequence[torch.Tensor], groups: Sequence[DeviceMesh], *, c
 
 def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     """``fn.apply(*args)`` where a gradient is wanted, its forward alone where none is (no grad mode, or no
-    part requires one). Under torch 2.13's dynamo, ``apply`` with no gradient wanted bound these Functions'
-    arguments one place off (the forward of ``_PackedGather`` saw a dtype as ``quantize``): the compiled
-    forward of a sharded model (evaluation under ``torch.no_grad()``, generation) failed in the trace."""
+    part requires one). Under torch 2.13's dynamo, ``apply`` with no gradient wanted passed these Functions'
+    forwards a context object as their first argument (``_PackedGather`` saw it as ``shapes`` and a dtype as
+    ``quantize``; a minimal Function of the same signature did not reproduce it): the compiled forward of a
+    sharded model (evaluation under ``torch.no_grad()``, generation) failed in the trace."""
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return fn.apply(*args)
     return fn.forward(*args)

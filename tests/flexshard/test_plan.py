@@ -151,7 +151,8 @@ def test_gathers_compile_fullgraph_with_or_without_a_gradient(quantize, grad):
     """``packed_gather`` and ``replicated`` (one rank: no collective) compiled with fullgraph give the eager
     leaves, also where no gradient is wanted (a compiled evaluation or generation of a sharded model):
     torch 2.13's dynamo bound the Functions' arguments one place off there, and the trace failed."""
-    a, b, scale = (torch.randn(4, 64), torch.randn(2, 64), torch.randn(64))
+    g = torch.Generator().manual_seed(0)
+    a, b, scale = (torch.randn(4, 64, generator=g), torch.randn(2, 64, generator=g), torch.randn(64, generator=g))
 
     def f(a, b, scale):
         return (*packed.packed_gather([a, b], None, [0, 0], None, quantize=quantize), *packed.replicated([scale], ()))
