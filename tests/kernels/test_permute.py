@@ -17,7 +17,7 @@ from ftitan.kernels import permute as P
 from ftitan.nn import moe as M
 
 FP32 = dict(rtol=1e-6, atol=1e-6)
-BF16 = dict(rtol=2**-6, atol=1e-3)  # against float32 references: two bf16 roundings
+BF16 = dict(rtol=2**-6, atol=1e-3)  # against float32 references: twice the largest error measured (2**-7, 60 draws)
 
 
 def _case(n: int = 7, k: int = 3, e: int = 5, d: int = 37, dtype=torch.float32, drop: bool = True, seed: int = 0):
