@@ -101,8 +101,8 @@ def test_dp_shard_runs_on_flexshard_buckets(parity_results, name):
 def test_the_trainers_dp_shard_gathers_can_be_int8(parity_results):
     """``--flexshard.quantize int8`` (``parallel.make_train_step(quantize=...)``): the per-layer gathers send
     blockwise-quantized parts (this model's 64-wide rows: a scale per 64 values, ~0.3x of float32), the
-    same collectives, 30 AdamW steps within 2% of the float32 gathers' losses, and the compiled step
-    (aot_eager) gives the eager losses."""
+    same collectives, 30 AdamW steps within 2% of the float32 gathers' losses. The compiled step is in the
+    slow tier below (the quantized gathers' compile: ``tests/flexshard/test_plan.py``)."""
     r = parity_results["flexshard_trainer_int8_dp4"]
     assert "error" not in r, r["error"]
     assert r["int8_calls"] == r["fp32_calls"]
@@ -110,7 +110,15 @@ def test_the_trainers_dp_shard_gathers_can_be_int8(parity_results):
     full, int8 = r["losses_fp32"], r["losses_int8"]
     assert full[-1] < 0.2 * full[0]  # it trains
     assert all(abs(a - b) <= 0.02 * a for a, b in zip(full, int8, strict=True))
-    assert r["losses_int8_compiled"] == int8
+
+
+@pytest.mark.slow
+def test_the_trainers_int8_gathers_compile_to_the_eager_losses(slow_checks):
+    """The same step compiled (aot_eager, the layered update too): four steps, the eager int8 losses."""
+    name = "flexshard_trainer_int8_dp4_compiled"
+    r = slow_checks(name)[name]
+    assert "error" not in r, r["error"]
+    assert len(r["losses_int8"]) == 4 and r["losses_int8_compiled"] == r["losses_int8"]
 
 
 @pytest.mark.parametrize("name", ["mesh_muon_dp_shard4", "mesh_muon_dp_shard2_tp2", "mesh_muon_block_dp_shard4",
