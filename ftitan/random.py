@@ -114,9 +114,14 @@ def key_data(k: torch.Tensor) -> int:
     return int(_check_key(k, "key_data").item()) & _MASK64
 
 
-@torch.compiler.assume_constant_result  # a str is static under tracing; dynamo cannot trace hashlib
 def _str_int(data: str) -> int:
     return int.from_bytes(hashlib.blake2b(data.encode(), digest_size=8).digest(), "little")
+
+
+# a str is static under tracing and dynamo cannot trace hashlib: the result is a constant to it. This is what
+# ``torch.compiler.assume_constant_result`` sets (tests/test_random.py checks that it still is); the decorator
+# imports torch._dynamo, ~2 s of every process's ``import ftitan``, even of one that never compiles
+_str_int._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _data_int(data: int | str) -> int:

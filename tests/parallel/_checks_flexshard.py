@@ -353,6 +353,35 @@ if os.environ.get("FTITAN_SLOW_CHECKS"):
     )
 
 
+def compiled_eval_check(name: str) -> dict:
+    """The parallel loss under ``torch.no_grad`` (an evaluation) compiled with fullgraph (aot_eager) against
+    eager, per layout and bucket policy (int8 only per layer: per-leaf gathers refuse it). The FlexShard
+    gathers' autograd Functions once failed to trace where no gradient is wanted (``packed._apply``)."""
+    model = llama.model(tiny_llama())
+    params = model.init(ft.random.key(0))
+    batch = batch_for(8, 16, 256)
+    out: dict = {"check": name, "diffs": {}}
+    for degrees in ({"dp_shard": 4}, {"dp_shard": 2, "tp": 2}, {"tp": 2, "cp": 2}):
+        layout = parallel.Layout(parallel.mesh(**degrees))
+        sharded = parallel.shard_params(params, model.param_axes, layout.rules, layout)
+        local, b = parallel.to_local(sharded), parallel.shard_batch(batch, layout)
+        for buckets, quantize in (("per_leaf", None), ("per_layer", None), ("per_layer", "int8")):
+            loss = parallel.make_parallel_loss(ft.train.next_token_loss(model, chunk_size=24), layout,
+                                               ft.tree.map(parallel.sharding_of, sharded), buckets=buckets,
+                                               quantize=quantize)  # fmt: skip
+            torch._dynamo.reset()
+            with torch.no_grad(), parallel.use(layout):
+                want = loss(local, b)[0]
+                got = torch.compile(loss, fullgraph=True, backend="aot_eager")(local, b)[0]
+            key = "_".join(f"{k}{v}" for k, v in degrees.items()) + f"_{buckets}_{quantize or 'fp32'}"
+            out["diffs"][key] = _max(float((got - want).abs()))
+    return out
+
+
+if os.environ.get("FTITAN_SLOW_CHECKS"):  # 9 aot_eager compiles of a sharded forward (~2 min on 2 cores)
+    CHECKS["flexshard_compiled_eval_layouts"] = lambda: compiled_eval_check("flexshard_compiled_eval_layouts")
+
+
 def mesh_muon_check(name: str, degrees: dict[str, int], family: str = "llama", placement: str = "shard",
                     steps: int = 3, ns_dtype: torch.dtype = torch.float32) -> dict:  # fmt: skip
     """The trainer's distributed Muon (``flexshard.mesh_muon_with_adamw`` on DTensor state) against

@@ -121,6 +121,17 @@ def test_the_trainers_int8_gathers_compile_to_the_eager_losses(slow_checks):
     assert len(r["losses_int8"]) == 4 and r["losses_int8_compiled"] == r["losses_int8"]
 
 
+@pytest.mark.slow
+def test_a_compiled_evaluation_of_a_sharded_model_is_the_eager_one(slow_checks):
+    """The parallel loss under ``torch.no_grad`` compiled with fullgraph (aot_eager) on dp_shard 4,
+    dp_shard 2 x tp 2 and tp 2 x cp 2, per-leaf and per-layer gathers, float32 and int8: the eager loss
+    (the same ops; measured 0.0). The one-process form of this is tests/flexshard/test_plan.py's."""
+    name = "flexshard_compiled_eval_layouts"
+    r = slow_checks(name)[name]
+    assert "error" not in r, r["error"]
+    assert len(r["diffs"]) == 9 and max(r["diffs"].values()) <= 1e-6, r["diffs"]
+
+
 @pytest.mark.parametrize("name", ["mesh_muon_dp_shard4", "mesh_muon_dp_shard2_tp2", "mesh_muon_block_dp_shard4",
                                   "mesh_muon_block_deepseek_dp_shard4"])
 def test_trainers_distributed_muon_equals_single_process_muon(parity_results, name):
