@@ -150,7 +150,8 @@ def test_parts_place_every_part_and_state_leaf_in_its_full_tensor():
 def test_gathers_compile_fullgraph_with_or_without_a_gradient(quantize, grad):
     """``packed_gather`` and ``replicated`` (one rank: no collective) compiled with fullgraph give the eager
     leaves, also where no gradient is wanted (a compiled evaluation or generation of a sharded model):
-    torch 2.13's dynamo bound the Functions' arguments one place off there, and the trace failed."""
+    torch 2.13's dynamo passed the Functions' forwards a context object first there (``packed._apply``), and
+    the trace failed."""
     g = torch.Generator().manual_seed(0)
     a, b, scale = (torch.randn(4, 64, generator=g), torch.randn(2, 64, generator=g), torch.randn(64, generator=g))
 

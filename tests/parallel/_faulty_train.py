@@ -50,10 +50,10 @@ def _arm(rank: int, where: str, step: int) -> None:
             original = getattr(os, name)
 
             def dying(src, dst, *args, _original=original, **kwargs):
-                if Path(dst).name == final:
-                    if where == "commit":
-                        _die()
-                    time.sleep(3.0)
+                if Path(dst).name == final and where == "commit":
+                    _die()
+                elif Path(dst).name == final:
+                    time.sleep(3.0)  # slow-commit
                 return _original(src, dst, *args, **kwargs)
 
             setattr(os, name, dying)
