@@ -41,10 +41,10 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as forward_ad
 
-__all__ = ["KERNELS", "LIBRARY", "check_kernels", "define", "interpret", "interpreting", "use_kernel"]
+__all__ = ["KERNELS", "LIBRARY", "check_kernels", "define", "interpret", "interpreting", "no_transform", "use_kernel"]
 
 KERNELS = ("torch", "triton", "helion")  # a model config's `kernels`; "helion": Helion kernels where ftitan has one
-# (RMSNorm), Triton otherwise
+# (RMSNorm), Triton otherwise; both: the linear layers' float32 GEMMs in oneDNN on the CPU (ftitan.kernels.onednn)
 LIBRARY = "ftitan_kernels"
 _lib = torch.library.Library(LIBRARY, "DEF")
 _interpret = False
@@ -54,15 +54,17 @@ def check_kernels(value: Any, owner: str) -> None:
     """Raise naming ``owner`` (e.g. ``"llama.Config.kernels"``) unless ``value`` is one of :data:`KERNELS`."""
     if value not in KERNELS:
         raise ValueError(f"{owner}={value!r}: expected one of {KERNELS} ('triton': ftitan.kernels on CUDA, their "
-                         "references elsewhere; 'helion': the Helion kernels where there is one (RMSNorm), "
-                         "Triton otherwise)")  # fmt: skip
+                         "references elsewhere, the linear GEMMs in oneDNN on the CPU; 'helion': the Helion kernels "
+                         "where there is one (RMSNorm), Triton otherwise)")  # fmt: skip
 
 
-def define(name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+def define(name: str, schema: str, impl: Callable[..., Any], fake: Callable[..., Any],
+           keys: tuple[str, ...] = ("CPU", "CUDA")) -> Any:  # fmt: skip
     """Register ``ftitan_kernels::{name}`` with ``schema`` (e.g. ``"(Tensor x, float eps) -> Tensor"``),
-    ``impl`` for CPU and CUDA (the Triton launch) and ``fake`` (shapes and dtypes only); returns the op."""
+    ``impl`` for the dispatch ``keys`` (the Triton launch, on CPU and CUDA) and ``fake`` (shapes and dtypes
+    only); returns the op."""
     _lib.define(name + schema)
-    for key in ("CPU", "CUDA"):
+    for key in keys:
         _lib.impl(name, impl, key)
     torch.library.register_fake(f"{LIBRARY}::{name}", fake, lib=_lib)
     return getattr(getattr(torch.ops, LIBRARY), name).default
@@ -89,9 +91,15 @@ def interpret(on: bool = True) -> Iterator[None]:
         _interpret = before
 
 
+def no_transform() -> bool:
+    """True when no ``torch.func`` transform and no forward-AD level is active: where an op whose
+    derivative is an autograd Function may run instead of its reference."""
+    return forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+
+
 def use_kernel(*tensors: torch.Tensor) -> bool:
     """True where the Triton kernel should run instead of its reference: on CUDA tensors (or any, under
     :func:`interpret`), with no ``torch.func`` transform and no forward-AD level active."""
-    if forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+    if not no_transform():
         return False
     return _interpret or all(t.is_cuda for t in tensors)

@@ -95,6 +95,10 @@ class Options:
     """"auto" (CUDA when available), "cpu" or "cuda"."""
     mixed_precision: str = "fp32"
     """Compute dtype of the forward and backward: "fp32" or "bf16" (master weights stay fp32)."""
+    kernels: str = "triton"
+    """The ftitan peers' model kernels (``--model.kernels``, as ``ftitan train --kernels``): "triton"
+    (``ftitan.kernels``: Triton on CUDA; on the CPU the linear layers' GEMMs in oneDNN and the other
+    kernels' references) or "torch" (plain ops); not "torch": gradients by the step's autograd path."""
     seq_len: int = 0
     """Override the shape's sequence length (0: the shape's own)."""
     batch_size: int = 0
@@ -145,16 +149,19 @@ def ftitan_step(
     device: str | torch.device = "cpu",
     compute_dtype: torch.dtype = torch.float32,
     batches: Iterator[dict[str, torch.Tensor]] | None = None,
+    kernels: str = "torch",
 ) -> Callable[[], float]:
     """The ftitan peer: the pure step, state carried between calls by the caller's loop.
 
     ``batches``: draw each step's batch from this loader (e.g. the streaming one) instead of reusing
     one pre-tokenized batch: the step time then includes whatever the loader makes the step wait.
+    ``kernels``: the model config's; other than "torch", gradients by the autograd path, as
+    ``ftitan train`` takes them (``ftitan.kernels`` step aside for their references under ``torch.func``).
     """
     import ftitan as ft
     from ftitan.models import llama
 
-    model = llama.model(_llama_config(cfg))
+    model = llama.model(ft.config.with_kernels(kernels)(_llama_config(cfg)))
     params = model.init(ft.random.key(seed), device=device)
     opt = ft.optim.adamw(
         peers.DEFAULT_LR, b1=peers.ADAMW_BETAS[0], b2=peers.ADAMW_BETAS[1], eps=peers.ADAMW_EPS,
@@ -162,7 +169,9 @@ def ftitan_step(
     )
     precision = ft.train.MixedPrecision(compute_dtype=compute_dtype).for_model(model)
     # donated, as the trainer runs it: params and moments updated in place, like the peers' torch.optim
-    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True, precision=precision)
+    grad_impl = "func" if kernels == "torch" else "autograd"
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True, precision=precision,
+                                    grad_impl=grad_impl)  # fmt: skip
     if compile:
         step = torch.compile(step, fullgraph=True)
     tokens = peers.make_batch(cfg, seed=seed, device=device)
@@ -205,18 +214,19 @@ def _streaming(cfg: dict[str, Any], source: Any, tok: Any) -> Iterator[dict[str,
 
 
 def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
-           loader: tuple[Any, Any] | None = None) -> Callable[[], float]:  # fmt: skip
+           loader: tuple[Any, Any] | None = None, kernels: str = "torch") -> Callable[[], float]:  # fmt: skip
     if name.endswith(BF16):
-        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader)
+        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, kernels)
     if name == STREAMING_PEER:
         assert loader is not None
-        return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader))
+        return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader),
+                           kernels=kernels)  # fmt: skip
     family, _, mode = name.rpartition("-")
     compile = mode == "compiled"
     if mode not in ("eager", "compiled"):
         raise ValueError(f"unknown peer {name!r}; peers end in -eager or -compiled")
     if family == "ftitan":
-        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype)
+        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, kernels=kernels)
     if family == "hf":
         autocast = dtype if dtype != torch.float32 else None
         return peers.hf_llama_step(cfg, compile=compile, adamw_impl="fused", device=device, autocast_dtype=autocast)
@@ -300,6 +310,9 @@ def run(opts: Options) -> dict[str, Any]:
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    from ftitan.kernels.op import check_kernels
+
+    check_kernels(opts.kernels, "--kernels")
     if opts.mixed_precision not in DTYPES:
         raise ValueError(f"--mixed-precision={opts.mixed_precision!r}: expected one of {tuple(DTYPES)}")
     device, dtype, cfg = resolve_device(opts.device), DTYPES[opts.mixed_precision], _config(opts)
@@ -308,7 +321,7 @@ def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
         loader = streaming_loader(cfg, Path(tmp)) if STREAMING_PEER in names else None
         steps: dict[str, Callable[[], Any]] = {
-            n: _build(n, cfg, device, dtype, loader) for n in names if n not in skipped
+            n: _build(n, cfg, device, dtype, loader, opts.kernels) for n in names if n not in skipped
         }
         # the GEMM peaks, sampled in every round beside the steps (their rows' denominators)
         # --quick is a smoke run: a small probe (a 2048^3 bf16 GEMM where the CPU lacks AVX512-BF16 is emulated,
@@ -356,7 +369,7 @@ def run(opts: Options) -> dict[str, Any]:
         "bench": "step",
         "config": cfg | {"model": "quick" if opts.quick else opts.model, "dtype": "float32",
                          "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                         "optimizer": "adamw", "quick": opts.quick},  # fmt: skip
+                         "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak

@@ -175,44 +175,61 @@ class GemmProbe:
     matmuls and keeps the fastest, so the peak is sampled in every round, beside the steps it divides,
     instead of once after them (a shared machine's load drifts by tens of percent within a run).
 
+    On the CPU each call times two GEMM libraries torch reaches: ``aten::mm`` (MKL's ``sgemm`` for float32)
+    and oneDNN's matmul (``ftitan.kernels.onednn``, which a model with ``kernels`` other than "torch" runs
+    its linear layers on); the peak is the faster one's, so a step that uses either is divided by the best
+    GEMM the machine gave in the same round.
+
     :meth:`result` has :func:`gemm_peak_flops`'s keys: ``flops_per_s`` is ``2 n^3`` over the median of
-    the per-call best times (``rounds``: how many calls were timed).
+    the per-call best times (``rounds``: how many calls were timed), of the faster library;
+    ``by_library`` holds each library's.
     """
 
     def __init__(self, n: int, dtype: torch.dtype, *, device: str | torch.device = "cpu", repeats: int = 3):
         if n < 1 or repeats < 1:
             raise ValueError(f"GemmProbe: n={n} and repeats={repeats} must be >= 1")
+        from ftitan.kernels import onednn
+
         g = torch.Generator(device="cpu").manual_seed(0)
         self.a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
         self.b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
         self.out = torch.empty(n, n, device=device, dtype=dtype)
-        self.n, self.repeats, self.best_s = n, repeats, []  # best_s: one entry per call
+        b_t = self.b.t()  # a @ b as oneDNN's x @ w.T: w = b.T, a view
+        self.libraries: dict[str, Callable[[], Any]] = {"aten": lambda: torch.mm(self.a, self.b, out=self.out)}
+        if self.a.device.type == "cpu" and onednn.available():
+            self.libraries["onednn"] = lambda: onednn.gemm_nt(self.a, b_t)
+        self.n, self.repeats = n, repeats
+        self.best_s: dict[str, list[float]] = {name: [] for name in self.libraries}  # one entry per call
 
     def __call__(self) -> None:
-        ts = []
-        for _ in range(self.repeats):
-            _sync()
-            t0 = time.perf_counter()
-            torch.mm(self.a, self.b, out=self.out)
-            _sync()
-            ts.append(time.perf_counter() - t0)
-        self.best_s.append(min(ts))
+        for name, gemm in self.libraries.items():
+            ts = []
+            for _ in range(self.repeats):
+                _sync()
+                t0 = time.perf_counter()
+                gemm()
+                _sync()
+                ts.append(time.perf_counter() - t0)
+            self.best_s[name].append(min(ts))
 
     def result(self, skip: int = 0) -> dict[str, Any]:
         """The peak over the calls after the first ``skip`` (the untimed warm-up calls)."""
-        ts = self.best_s[skip:]
-        if not ts:
+        medians = {name: statistics.median(ts[skip:]) for name, ts in self.best_s.items() if ts[skip:]}
+        if not medians:
             raise ValueError("GemmProbe.result: no timed calls (call the probe, e.g. as a time_steps peer)")
-        med = statistics.median(ts)
+        fastest = min(medians, key=medians.__getitem__)
+        flops = 2.0 * self.n**3
         return {
             "n": self.n,
             "dtype": str(self.a.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "repeats": self.repeats,
-            "rounds": len(ts),
+            "rounds": len(self.best_s[fastest]) - skip,
             "interleaved": True,
-            "median_s": med,
-            "flops_per_s": 2.0 * self.n**3 / med,
+            "library": fastest,
+            "median_s": medians[fastest],
+            "flops_per_s": flops / medians[fastest],
+            "by_library": {name: flops / med for name, med in medians.items()},
         }
 
 

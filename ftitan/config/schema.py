@@ -211,7 +211,7 @@ class TrainConfig:
     keep: int = 3  # checkpoints kept (the newest K)
     compile: bool | Literal["regional"] = True  # torch.compile the train step (fullgraph); "regional": each block once (docs/compile-and-memory.md)
     remat: str = ""  # activation rematerialization of every block: "none", "full", "save-matmuls", "regions:attn", "budget:F" ("": --model.remat's)
-    kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA, references elsewhere; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
+    kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA; references and oneDNN GEMMs on the CPU; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
     deterministic: bool = True  # torch.use_deterministic_algorithms during the run: bit-identical reruns, compiled too (inductor's CPU scatter-adds otherwise vary in the last bits)
     seed: int = 0  # seeds init and data order
     run_dir: str = "runs/{recipe}"  # where tokenizer, metrics, checkpoints and loss.png go

@@ -192,7 +192,7 @@ def _check_compile_and_remat(cfg: TrainConfig) -> None:
         check_policy(cfg.remat, field="--remat")
     if cfg.kernels and cfg.kernels not in KERNELS:
         raise _fail("--kernels", cfg.kernels, f"expected one of {KERNELS} ('triton': ftitan.kernels on CUDA, their "
-                    "references elsewhere), or '' for the model's --model.kernels")  # fmt: skip
+                    "references and oneDNN GEMMs on the CPU), or '' for the model's --model.kernels")  # fmt: skip
     check_policy(getattr(cfg.model, "remat", "none"), field="--model.remat")
 
 

@@ -136,12 +136,12 @@ def attention(
     x = par.column_input(x)  # tensor parallel: the block's input, whole on every tp rank
     b, t, _ = x.shape
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
-    inv = invariant.enabled(cfg)
+    inv, kern = invariant.enabled(cfg), cfg.kernels
     if "wqkv" in p:  # one matmul for q, k, v (ftitan.infer.fuse_projections; one process, no tp)
         sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
-        q, k, v = nn.linear(x, p["wqkv"], invariant=inv).split(sizes, dim=-1)
+        q, k, v = nn.linear(x, p["wqkv"], invariant=inv, kernels=kern).split(sizes, dim=-1)
     else:
-        q, k, v = (nn.linear(x, p[name], invariant=inv) for name in ("wq", "wk", "wv"))
+        q, k, v = (nn.linear(x, p[name], invariant=inv, kernels=kern) for name in ("wq", "wk", "wv"))
     q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (q, k, v))
     if "q_norm" in p:  # Qwen3
         q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps, invariant=inv, kernels=cfg.kernels)
@@ -151,7 +151,7 @@ def attention(
     else:
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
-    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv))
+    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv, kernels=kern))
 
 
 def norm(cfg: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -204,10 +204,12 @@ def output_head(cfg: AttentionConfig, params: Mapping[str, Any]) -> torch.Tensor
     return params["embed"] if cfg.tie_embeddings else params["head"]
 
 
-def logits_of(h: torch.Tensor, head: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
+def logits_of(h: torch.Tensor, head: torch.Tensor, *, invariant: bool = False,
+              kernels: str = "torch") -> torch.Tensor:  # fmt: skip
     """``h @ head.T`` (B, T, D), (V | V / tp, D) -> (B, T, V) with every vocab entry (the head gathered when
-    tensor parallelism splits it); ``invariant``: a batch-invariant matmul (``nn.invariant``)."""
-    return nn.linear(h, par.gather_vocab(head), invariant=invariant)
+    tensor parallelism splits it); ``invariant``: a batch-invariant matmul (``nn.invariant``); ``kernels``: the
+    model's (``nn.linear``)."""
+    return nn.linear(h, par.gather_vocab(head), invariant=invariant, kernels=kernels)
 
 
 def hf_outer_weights(cfg: AttentionConfig) -> list[hf.WeightMap]:
@@ -400,7 +402,8 @@ def dense_forward(
     every = range(cfg.n_layers)
     h, _, cache = dense_stage(cfg, params, tokens, layers=every, first=True, last=True, positions=positions,
                               cache=cache, segments=segments, family=family, scaling=scaling)  # fmt: skip
-    return (logits_of(h, output_head(cfg, params), invariant=invariant.enabled(cfg)) if logits else h), cache
+    head = output_head(cfg, params)
+    return (logits_of(h, head, invariant=invariant.enabled(cfg), kernels=cfg.kernels) if logits else h), cache
 
 
 # per-layer HF names of the Llama-style decoders (Llama, Qwen3, Qwen3-MoE's attention half)

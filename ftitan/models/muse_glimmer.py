@@ -248,17 +248,17 @@ def _attention(
     inv = invariant.enabled(cfg)
     if "wqkv" in p:  # one matmul for q, k, v (ftitan.infer.fuse_projections; one process, no tp)
         sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
-        qkv = nn.linear(x, p["wqkv"], invariant=inv).split(sizes, dim=-1)
+        qkv = nn.linear(x, p["wqkv"], invariant=inv, kernels=cfg.kernels).split(sizes, dim=-1)
     else:
-        qkv = tuple(nn.linear(x, p[name], invariant=inv) for name in ("wq", "wk", "wv"))
+        qkv = tuple(nn.linear(x, p[name], invariant=inv, kernels=cfg.kernels) for name in ("wq", "wk", "wv"))
     q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in qkv)
     q, k = _unit_norm(q, cfg.norm_eps, inv=inv), _unit_norm(k, cfg.norm_eps, inv=inv)
     if rope is not None:
         q, k = nn.apply_rope(q, *rope, kernels=cfg.kernels), nn.apply_rope(k, *rope, kernels=cfg.kernels)
     extra = {} if window is None else {"window": window}  # global layers call any cache as other families do
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.qk_scale * cfg.head_dim**-0.5, **extra)
-    o = o.reshape(b, t, -1) * torch.sigmoid(nn.linear(x, p["wg"], invariant=inv))  # gate: (B, T, H_local * Dh)
-    return par.row_output(nn.linear(o, p["wo"], invariant=inv))
+    gate = torch.sigmoid(nn.linear(x, p["wg"], invariant=inv, kernels=cfg.kernels))  # (B, T, H_local * Dh)
+    return par.row_output(nn.linear(o.reshape(b, t, -1) * gate, p["wo"], invariant=inv, kernels=cfg.kernels))
 
 
 def _ropes(cfg: Config, positions: torch.Tensor, layers: range) -> dict[float, tuple[torch.Tensor, torch.Tensor]]:
@@ -321,7 +321,7 @@ def _apply(
                          positions=positions, cache=cache, segments=segments)  # fmt: skip
     if not logits:
         return h, cache
-    z = decoder.logits_of(h, output_head(cfg, params), invariant=invariant.enabled(cfg))
+    z = decoder.logits_of(h, output_head(cfg, params), invariant=invariant.enabled(cfg), kernels=cfg.kernels)
     return cap_logits(cfg, z), cache
 
 

@@ -320,16 +320,17 @@ def _attention(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor, cos:
     b, t, _ = x.shape
     if "wqkv" in p:  # one matmul for q (with its gate), k, v (ftitan.infer.fuse_projections; one process)
         kv_dim = cfg.n_kv_heads * cfg.head_dim
-        qg, k, v = nn.linear(x, p["wqkv"]).split((2 * cfg.n_heads * cfg.head_dim, kv_dim, kv_dim), dim=-1)
+        sizes = (2 * cfg.n_heads * cfg.head_dim, kv_dim, kv_dim)
+        qg, k, v = nn.linear(x, p["wqkv"], kernels=cfg.kernels).split(sizes, dim=-1)
     else:
-        qg, k, v = (nn.linear(x, p[n]) for n in ("wq", "wk", "wv"))
+        qg, k, v = (nn.linear(x, p[n], kernels=cfg.kernels) for n in ("wq", "wk", "wv"))
     q, gate = qg.reshape(b, t, -1, 2 * cfg.head_dim).chunk(2, dim=-1)
     k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (k, v))
     q, k = _norm(cfg, q, p["q_norm"], "heads"), _norm(cfg, k, p["k_norm"], "kv_heads")
     q, k = _partial_rope(q, cos, sin, kernels=cfg.kernels), _partial_rope(k, cos, sin, kernels=cfg.kernels)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
     o = o * torch.sigmoid(gate)  # the output gate of each head
-    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"]))
+    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], kernels=cfg.kernels))
 
 
 def _projections(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -337,13 +338,17 @@ def _projections(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor) ->
     rank's ``hk`` key heads and ``hv`` value heads."""
     bsz, t, _ = x.shape
     r, dv, w = cfg.linear_v_heads // cfg.linear_k_heads, cfg.linear_v_dim, cfg.group_width
+
+    def proj(name: str) -> torch.Tensor:
+        return nn.linear(x, p[name], kernels=cfg.kernels)
+
     if "wqkvz" in p:  # Qwen3-Next: per key head [q, k, v, z] and [b, a]
-        y = nn.linear(x, p["wqkvz"]).reshape(bsz, t, -1, w + r * dv)
+        y = proj("wqkvz").reshape(bsz, t, -1, w + r * dv)
         mixed, z = y[..., :w].reshape(bsz, t, -1), y[..., w:].reshape(bsz, t, -1, dv)
-        b, a = nn.linear(x, p["wba"]).reshape(bsz, t, -1, 2 * r).split(r, dim=-1)
+        b, a = proj("wba").reshape(bsz, t, -1, 2 * r).split(r, dim=-1)
         return mixed, z, b.reshape(bsz, t, -1), a.reshape(bsz, t, -1)
-    z = nn.linear(x, p["wz"]).reshape(bsz, t, -1, dv)
-    return nn.linear(x, p["wqkv"]), z, nn.linear(x, p["wb"]), nn.linear(x, p["wa"])
+    z = proj("wz").reshape(bsz, t, -1, dv)
+    return proj("wqkv"), z, proj("wb"), proj("wa")
 
 
 def _softplus(x: torch.Tensor) -> torch.Tensor:
@@ -391,7 +396,7 @@ def _gated_deltanet(cfg: Config, p: Mapping[str, torch.Tensor], x: torch.Tensor,
     g = -p["A_log"].to(f).exp() * _softplus(a.to(f) + p["dt_bias"])
     o = decoder.recur(attend, _gdn_scan(cfg, p["conv"]), (mixed, g, beta, segments))
     o = gdn.gated_rms_norm(o, z, par.tp_shared(p["norm"], "heads"), cfg.norm_eps)
-    return par.row_output(nn.linear(o.reshape(bsz, t, -1), p["wo"]))
+    return par.row_output(nn.linear(o.reshape(bsz, t, -1), p["wo"], kernels=cfg.kernels))
 
 
 def _feed_forward(cfg: Config, moe_cfg: MoEConfig, p: Mapping[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -447,7 +452,7 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
                              positions=positions, cache=cache, segments=segments)  # fmt: skip
-    out = decoder.logits_of(h, decoder.output_head(cfg, params)) if logits else h
+    out = decoder.logits_of(h, decoder.output_head(cfg, params), kernels=cfg.kernels) if logits else h
     aux = expert.moe_aux(list(stats.values()), moe_cfg) if stats else {}
     return out, cache, aux
 

@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ftitan.kernels import onednn
 from ftitan.nn import invariant as _invariant
 from ftitan.nn.param import Param, init, truncated_normal_init, zeros_init
 
@@ -23,16 +24,20 @@ def linear(
     b: torch.Tensor | None = None,  # (out,)
     *,
     invariant: bool = False,
+    kernels: str = "torch",
 ) -> torch.Tensor:  # (..., out)
     """``x @ w.T + b``. ``w`` may also be a :class:`PreparedWeight` (a matrix an inference runtime
     laid out for its own GEMM, e.g. ``ftitan.vllm``'s oneDNN-packed weights): it computes the same.
     ``invariant``: each row in a GEMM of fixed shape (``ftitan.nn.invariant.linear``), so its bits do
-    not depend on the other rows."""
+    not depend on the other rows. ``kernels`` (a model config's): other than "torch", float32 GEMMs on
+    the CPU run in oneDNN (``ftitan.kernels.onednn.linear``; ``F.linear`` under ``torch.func``)."""
     if invariant:
         return _invariant.linear(x, w, b)  # type: ignore[arg-type]
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, b)
-    return w.linear(x, b)
+    if not isinstance(w, torch.Tensor):
+        return w.linear(x, b)
+    if kernels != "torch":
+        return onednn.linear(x, w, b)
+    return F.linear(x, w, b)
 
 
 class PreparedWeight(Protocol):

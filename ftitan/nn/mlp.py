@@ -31,7 +31,7 @@ def swiglu(
     if kernels != "torch" and not invariant:  # "triton", "helion": Triton's; imported here (ftitan.kernels imports nn)
         from ftitan.kernels.swiglu import swiglu_mlp
 
-        return swiglu_mlp(x, w1, w2, w3, w13=w13)
+        return swiglu_mlp(x, w1, w2, w3, w13=w13, kernels=kernels)
     if w13 is not None:
         gate, up = linear(x, w13, invariant=invariant).chunk(2, dim=-1)
     else:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ftitan.kernels import op
+from ftitan.kernels import onednn, op
 from ftitan.kernels.autodiff import plain_reverse_mode
 
 __all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "next_token_loss"]
@@ -47,10 +47,11 @@ def _acc_dtype(w: torch.Tensor) -> torch.dtype:
     return torch.promote_types(w.dtype, torch.float32)
 
 
-def _chunk_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int, cap: float | None):
+def _chunk_logprobs(h: torch.Tensor, w32: torch.Tensor, t: torch.Tensor, ignore_index: int, cap: float | None,
+                    onednn_gemms: bool = False):  # fmt: skip
     # h: (C, D) any float dtype; w32: (V, D) float32 (float64 for float64 params); t: (C,)
     # one fused log_softmax pass over the (C, V) block; the block is reused in place after
-    z = h.to(w32.dtype) @ w32.T  # (C, V)
+    z = onednn.gemm_nt(h.to(w32.dtype), w32) if onednn_gemms else h.to(w32.dtype) @ w32.T  # (C, V)
     th = None
     if cap is not None:  # soft_cap's ops, with tanh(z / cap) kept for the fused gradient's chain factor
         th = torch.tanh(z / cap)
@@ -67,15 +68,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Sum over valid tokens of ``CE(soft_cap(h @ w.T), t)``, gradients formed in forward."""
 
     @staticmethod
-    def forward(h, w, targets, chunk_size: int, ignore_index: int, cap: float | None):  # type: ignore[override]
+    def forward(h, w, targets, chunk_size: int, ignore_index: int, cap: float | None,
+                onednn_gemms: bool = False):  # type: ignore[override]  # fmt: skip
         from ftitan.train import regional
 
         backend = regional.current_backend()
+        args = (h, w, targets, chunk_size, ignore_index, cap, onednn_gemms)
         # regional compile in one process: the head and its loss are one more region, compiled once (parallel
         # runs keep it eager: their loss may see DTensors, whose compile the region does not promise)
         if backend is not None and not torch.distributed.is_initialized():
-            return regional.compiled(_fused_forward, backend)(h, w, targets, chunk_size, ignore_index, cap)
-        return _fused_forward(h, w, targets, chunk_size, ignore_index, cap)
+            return regional.compiled(_fused_forward, backend)(*args)
+        return _fused_forward(*args)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
@@ -95,19 +98,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "grad), which selects the plain path itself"
             )
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None
+        return grad_h * g.to(grad_h.dtype), grad_w * g.to(grad_w.dtype), None, None, None, None, None
 
 
 def _fused_forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int,
-                   cap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``_LinearCrossEntropy``'s forward: the loss and both gradients, chunk by chunk."""
+                   cap: float | None, onednn_gemms: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``_LinearCrossEntropy``'s forward: the loss and both gradients, chunk by chunk; ``onednn_gemms``: the
+    logits and ``grad_h`` GEMMs in oneDNN (``ftitan.kernels.onednn``), ``grad_w``'s in ``aten::mm``."""
     w32 = w.to(_acc_dtype(w))
     total = torch.zeros((), dtype=w32.dtype, device=h.device)
     grad_h = torch.empty_like(h)
     grad_w = None
     for start in range(0, h.shape[0], chunk_size):
         hc, tc = h[start : start + chunk_size], targets[start : start + chunk_size]
-        loss, logp, safe_t, valid, th = _chunk_logprobs(hc, w32, tc, ignore_index, cap)
+        loss, logp, safe_t, valid, th = _chunk_logprobs(hc, w32, tc, ignore_index, cap, onednn_gemms)
         total = total + loss
         # d loss / d logits = softmax - onehot, computed in place over the logits block;
         # ignored rows are zeroed on the small (C, D) side instead of the (C, V) block
@@ -117,7 +121,8 @@ def _fused_forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chun
         if th is not None:  # through the soft-cap: d cap tanh(z / cap) / dz = 1 - tanh^2, in place
             dlogits.mul_(th.square_().neg_().add_(1))
         keep = valid[:, None].to(w32.dtype)  # (C, 1)
-        grad_h[start : start + chunk_size] = ((dlogits @ w32) * keep).to(h.dtype)
+        dh = onednn.gemm_nt(dlogits, w32.t()) if onednn_gemms else dlogits @ w32
+        grad_h[start : start + chunk_size] = (dh * keep).to(h.dtype)
         contrib = dlogits.T @ (hc.to(w32.dtype) * keep)  # (V, D)
         grad_w = contrib if grad_w is None else grad_w + contrib
     return total, grad_h, grad_w.to(w.dtype)
@@ -186,7 +191,8 @@ def chunked_cross_entropy(
 
     ``kernels="triton"`` (a model config's ``kernels``): with ``fused``, the Triton kernel
     ``ftitan.kernels.linear_cross_entropy`` (``(BLOCK_N, BLOCK_V)`` tiles, forward and backward) wherever
-    ``ftitan.kernels.op.use_kernel`` holds (CUDA, no ``torch.func`` transform); elsewhere the paths above.
+    ``ftitan.kernels.op.use_kernel`` holds (CUDA, no ``torch.func`` transform); elsewhere the paths above,
+    the fused one with its logits and ``grad_h`` GEMMs in oneDNN on the CPU (``ftitan.kernels.onednn``).
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"chunked_cross_entropy: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")
@@ -201,7 +207,8 @@ def chunked_cross_entropy(
     if fused and kernels != "torch" and op.use_kernel(h, w) and _triton_lce().supported(h, w):
         total = _triton_lce().linear_cross_entropy(h, w, targets, ignore_index=ignore_index, softcap=logit_softcap)
     elif fused and torch.is_grad_enabled() and (h.requires_grad or w.requires_grad) and _fused_is_exact(h, w):
-        total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index, logit_softcap)
+        gemms = kernels != "torch" and onednn.usable(h, w, dtype=_acc_dtype(w))
+        total, _, _ = _LinearCrossEntropy.apply(h, w, targets, chunk_size, ignore_index, logit_softcap, gemms)
     else:
         total = _plain_chunked_total(h, w, targets, chunk_size, ignore_index, logit_softcap)
     if reduction == "sum":

@@ -33,6 +33,10 @@ def test_quick_run_reports_results_ratios_and_goals(tmp_path, capsys):
     peak = printed["gemm_peak"]
     assert peak["interleaved"] and peak["rounds"] == 2 and peak["dtype"] == "float32"
     assert abs(peak["flops_per_s"] * peak["median_s"] - 2 * peak["n"] ** 3) <= 1e-6 * 2 * peak["n"] ** 3
+    # on the CPU both GEMM libraries the ftitan peers may use are probed; the peak is the faster one's
+    assert set(peak["by_library"]) == {"aten", "onednn"} and peak["library"] in peak["by_library"]
+    assert peak["flops_per_s"] == max(peak["by_library"].values()) == peak["by_library"][peak["library"]]
+    assert printed["config"]["kernels"] == "triton"  # the ftitan peers' default: ftitan.kernels (oneDNN GEMMs here)
     ours = res["ftitan-compiled"]
     assert abs(ours["model_flops_per_s"] - ours["tokens_per_s"] * printed["model_flops_per_token"]) <= 1e-6 * ours[
         "model_flops_per_s"]

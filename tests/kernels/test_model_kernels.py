@@ -1,6 +1,7 @@
 """Models with ``kernels="triton"``: RMSNorm, SwiGLU and RoPE by ``ftitan.kernels`` (Triton in the interpreter
 here) give the ``kernels="torch"`` model's logits and gradients; on the CPU without ``op.interpret()`` the
-Triton model *is* the torch model, bit for bit.
+Triton model *is* the torch model, bit for bit, where its GEMMs are too small for oneDNN (the tiny configs),
+and runs its projections, head and loss GEMMs in oneDNN (``ftitan.kernels.onednn``) where they are not.
 
 Gradients of the Triton model come from ``ft.train.value_and_grad(impl="autograd")`` (the kernels' autograd
 Functions; under torch.func they would step aside), compared with the torch model's ``torch.func`` path.
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import ftitan as ft
+from ftitan.kernels import onednn as k_onednn
 from ftitan.kernels import op
 from ftitan.kernels import rms_norm as k_norm
 from ftitan.kernels import rope as k_rope
@@ -87,14 +89,47 @@ def test_compiled_triton_step_gradients_equal_the_torch_model(monkeypatch):
 def test_on_cpu_the_triton_model_is_the_torch_model_bit_for_bit(name, monkeypatch):
     torch_model, triton_model = _models(name)
     params, batch = torch_model.init(ft.random.key(0)), _batch()
-    spies = _spies(monkeypatch)
+    spies = (*_spies(monkeypatch), Spy(monkeypatch, k_onednn, ("_linear_op",)))
     got = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")(params, batch)
     logits = triton_model.apply(params, batch["inputs"])[0]
-    assert sum(s.total() for s in spies) == 0  # no interpret(): the references ran
+    assert sum(s.total() for s in spies) == 0  # no interpret(): the references ran; GEMMs below oneDNN's sizes
     want = ft.train.value_and_grad(ft.train.next_token_loss(torch_model), impl="autograd")(params, batch)
     assert torch.equal(logits, torch_model.apply(params, batch["inputs"])[0])
     for a, b in zip(ft.tree.leaves(got), ft.tree.leaves(want), strict=True):
         assert torch.equal(a, b)
+
+
+def test_on_cpu_the_triton_model_runs_its_gemms_in_onednn(monkeypatch):
+    """With oneDNN's size floors lifted, the tiny llama's seven projections per layer run there (forward and
+    input gradient), and the fused loss's logits and ``grad_h`` GEMMs; eager and compiled (aot_eager, the
+    autograd path traced), the logits and gradients are the torch model's to float32 rounding."""
+    monkeypatch.setattr(k_onednn, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(k_onednn, "MIN_FLOP", 0)
+    torch_model, triton_model = _models("llama")
+    params, batch = torch_model.init(ft.random.key(0)), _batch()
+    the_op = k_onednn._linear_op
+    spy = Spy(monkeypatch, k_onednn, ("_linear_op",))
+    grad_fn = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")
+    got = grad_fn(params, batch)
+    layers = SHRINK["n_layers"]
+    assert spy.calls == {"_linear_op": 2 * 7 * layers + 2}
+    logits = triton_model.apply(params, batch["inputs"])[0]
+    assert spy.calls == {"_linear_op": 2 * 7 * layers + 2 + 7 * layers + 1}  # no gradient: forwards and the head
+    want = ft.train.value_and_grad(ft.train.next_token_loss(torch_model))(params, batch)
+    torch.testing.assert_close(logits, torch_model.apply(params, batch["inputs"])[0], **F32)
+    torch.testing.assert_close(got, want, **F32)
+    graphs = []
+
+    def backend(gm, example):
+        graphs.append(gm.print_readable(print_output=False))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example)
+
+    monkeypatch.setattr(k_onednn, "_linear_op", the_op)  # dynamo refuses the spy's count inside a Function
+    torch._dynamo.reset()
+    compiled = torch.compile(grad_fn, backend=backend, fullgraph=True)(params, batch)
+    torch._dynamo.reset()
+    assert "\n".join(graphs).count("ftitan_kernels.onednn_linear") >= 2 * 7 * layers + 2
+    torch.testing.assert_close(compiled, want, **F32)
 
 
 def test_kernels_field_is_checked():

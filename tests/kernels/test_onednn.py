@@ -1,0 +1,108 @@
+"""``ftitan.kernels.onednn``: the linear layers' GEMMs in oneDNN on the CPU.
+
+The reference is ``F.linear`` in float64 (an independent GEMM): oneDNN's float32 results differ from MKL's
+only in summation order, so values and gradients agree with it to float32 rounding (rtol 1e-5 over
+K = 512 terms), eager and compiled with inductor (the op is opaque there: inductor's own lowering of
+``_linear_pointwise`` takes frozen weights only). Under ``torch.func`` transforms the plain ``F.linear``
+runs, bit for bit, and the op is never called; a double backward runs plain ops.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from ftitan.kernels import onednn
+from tests.kernels._kernel_checks import Spy
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+OP_EVENT = "ftitan_kernels::onednn_linear"
+
+
+def _inputs(rows=64, k=512, n=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, rows // 2, k, generator=g)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    cot = torch.randn(2, rows // 2, n, generator=g)
+    return x, w, cot
+
+
+def _value_and_grads(fn, x, w, cot):
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = fn(x, w)
+    return (y.detach(), *torch.autograd.grad((y * cot).sum(), (x, w)))
+
+
+def _reference(x, w, cot):
+    return [t.float() for t in _value_and_grads(F.linear, x.double(), w.double(), cot.double())]
+
+
+def test_linear_and_its_gradients_match_a_float64_reference(monkeypatch):
+    x, w, cot = _inputs()
+    assert onednn.usable(x, w)
+    spy = Spy(monkeypatch, onednn, ("_linear_op",))
+    got = _value_and_grads(onednn.linear, x, w, cot)
+    assert spy.calls == {"_linear_op": 2}  # the forward and the input gradient; the weight gradient is aten::mm
+    torch.testing.assert_close(got, _reference(x, w, cot), **TOL)
+    b = torch.randn(w.shape[0])
+    torch.testing.assert_close(onednn.linear(x, w, b), F.linear(x.double(), w.double(), b.double()).float(), **TOL)
+
+
+def test_inductor_compiles_it_with_the_same_gradients():
+    x, w, cot = _inputs(seed=1)
+    before = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.config.trace_autograd_ops = True  # torch.autograd.grad traced, as ft.train's autograd path does
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda x, w, cot: _value_and_grads(onednn.linear, x, w, cot), fullgraph=True)
+        compiled(x, w, cot)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = compiled(x, w, cot)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = before
+        torch._dynamo.reset()
+    assert sum(e.count for e in prof.key_averages() if e.key == OP_EVENT) == 2  # the op ran from inductor's code
+    torch.testing.assert_close(got, _reference(x, w, cot), **TOL)
+
+
+def test_torch_func_transforms_run_f_linear_bit_for_bit(monkeypatch):
+    x, w, cot = _inputs(seed=2)
+    spy = Spy(monkeypatch, onednn, ("_linear_op",))
+    assert torch.equal(torch.func.grad(lambda w: (onednn.linear(x, w) * cot).sum())(w),
+                       torch.func.grad(lambda w: (F.linear(x, w) * cot).sum())(w))
+    assert torch.equal(torch.func.vmap(onednn.linear, in_dims=(0, None))(x, w), torch.func.vmap(F.linear, (0, None))(x, w))
+    _, got = torch.func.jvp(lambda w: onednn.linear(x, w), (w,), (w.flip(0),))
+    _, want = torch.func.jvp(lambda w: F.linear(x, w), (w,), (w.flip(0),))
+    assert torch.equal(got, want)
+    assert spy.total() == 0
+
+
+def test_double_backward_runs_plain_ops():
+    x, w, cot = _inputs(seed=3)
+
+    def second(fn, x, w):
+        x = x.detach().requires_grad_()
+        (gx,) = torch.autograd.grad((fn(x, w) * cot).square().sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), x)[0]
+
+    want = second(F.linear, x.double(), w.double()).float()
+    torch.testing.assert_close(second(onednn.linear, x, w), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "case, want",
+    [("float32 GEMM", True), ("bfloat16", False), ("small weight, few rows", False),
+     ("small weight, many rows", True), ("no shared inner dim", False)],
+)  # fmt: skip
+def test_usable_only_for_float32_cpu_gemms_worth_the_call(case, want):
+    x, w, _ = _inputs()
+    if case == "bfloat16":
+        x, w = x.bfloat16(), w.bfloat16()
+    elif case.startswith("small weight"):  # 512 x 128: below MIN_WEIGHT; 2 * rows * 65536 FLOPs vs MIN_FLOP
+        w = w[:128]
+        x = x.reshape(-1, 512)[:8] if case.endswith("few rows") else torch.randn(512, 512)
+    elif case == "no shared inner dim":
+        w = w[:, :256]
+    assert onednn.usable(x, w) is want
+    if case == "bfloat16":
+        assert onednn.usable(x, w, dtype=torch.float32)  # a caller that casts to float32 first (the fused loss)
