@@ -153,4 +153,4 @@ def finish(cfg: Config, params: Mapping[str, Any], h: torch.Tensor, *, logits: b
     """Streams -> final-normed hidden states (whole on every tp rank) -> logits."""
     h = hc.hc_head(h, _shared(params["hc_head"]), eps=cfg.hc_eps, norm_eps=cfg.norm_eps)
     h = par.column_input(_norm(cfg, h, params["norm"]))
-    return nn.linear(h, par.gather_vocab(params["head"])) if logits else h
+    return nn.linear(h, par.gather_vocab(params["head"]), kernels=cfg.kernels) if logits else h

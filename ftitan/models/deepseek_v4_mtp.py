@@ -77,10 +77,10 @@ def mtp_losses(
         e = F.embedding(tokens[:, k:], embed)  # (B, T-k, D)
         e = nn.rms_norm(e, p["enorm"], cfg.norm_eps, kernels=cfg.kernels)
         x = nn.rms_norm(h[:, : t - k], p["hnorm"], cfg.norm_eps, kernels=cfg.kernels)
-        x = nn.linear(e, p["e_proj"]).unsqueeze(2) + nn.linear(x, p["h_proj"])  # (B, T-k, N, D)
+        x = nn.linear(e, p["e_proj"], kernels=cfg.kernels).unsqueeze(2) + nn.linear(x, p["h_proj"], kernels=cfg.kernels)
         h, s, _ = block(p["block"], x, tokens[:, k:], torch.arange(t - k, device=tokens.device))
         out = nn.rms_norm(hc.hc_head(h, p["hc_head"], eps=cfg.hc_eps, norm_eps=cfg.norm_eps), p["norm"], cfg.norm_eps)
-        logits = nn.linear(out[:, :-1], head)  # (B, T-k-1, V): position i predicts t_{i+k+1}
+        logits = nn.linear(out[:, :-1], head, kernels=cfg.kernels)  # (B, T-k-1, V): position i predicts t_{i+k+1}
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32; float64 kept
         losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1 :].flatten()))
         stats.append(s)

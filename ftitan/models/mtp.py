@@ -93,7 +93,7 @@ def module_apply(
     positions: torch.Tensor,  # (T,) | (B, T) int positions of h_prev's tokens
     block: Block,
     norm_eps: float,
-    kernels: str = "torch",  # the model's kernels (its norms: nn.rms_norm)
+    kernels: str = "torch",  # the model's kernels (its norms and eh_proj: nn.rms_norm, nn.linear)
     cache: Any = None,  # a base.AttentionCache; the module's attention is its layer 0
     segments: torch.Tensor | None = None,  # (B, T) int document ids (no cache)
 ) -> tuple[torch.Tensor, torch.Tensor, Any, Any]:  # h^{k+1} (B, T, D), normed for the head (B, T, D), cache, stats
@@ -103,7 +103,7 @@ def module_apply(
     p = params["mtp"][str(k)]
     e = nn.rms_norm(par.embed(next_tokens, params["embed"]), p["enorm"], norm_eps, kernels=kernels)
     hn = nn.rms_norm(h_prev, p["hnorm"], norm_eps, kernels=kernels)
-    x = nn.linear(torch.cat([e, hn.to(e.dtype)], dim=-1), p["eh_proj"])
+    x = nn.linear(torch.cat([e, hn.to(e.dtype)], dim=-1), p["eh_proj"], kernels=kernels)
     attend, written = decoder.layer_attention(cache, 0, segments)
     h, stats = block(p["block"], x, positions, attend)
     return h, nn.rms_norm(h, p["norm"], norm_eps, kernels=kernels), written(), stats
