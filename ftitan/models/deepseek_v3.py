@@ -453,7 +453,8 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, mla_cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True,
                              last=True, positions=positions, cache=cache, segments=segments)  # fmt: skip
-    out = decoder.logits_of(h, _head(params), invariant=moe_cfg.batch_invariant) if logits else h
+    inv = moe_cfg.batch_invariant
+    out = decoder.logits_of(h, _head(params), invariant=inv, kernels=cfg.kernels) if logits else h
     losses: list[torch.Tensor] = []
     all_stats = list(stats.values())
     if mtp_loss and cfg.n_mtp_layers and cache is None and "mtp" in params:  # training: the MTP loss

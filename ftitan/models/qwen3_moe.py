@@ -269,7 +269,8 @@ def _apply_with_aux(
 ) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor]]:  # (B, T, V) | (B, T, D); cache; aux
     h, stats, cache = _stage(cfg, moe_cfg, params, tokens, layers=range(cfg.n_layers), first=True, last=True,
                              positions=positions, cache=cache, segments=segments)  # fmt: skip
-    out = decoder.logits_of(h, decoder.output_head(cfg, params), invariant=moe_cfg.batch_invariant) if logits else h
+    head = decoder.output_head(cfg, params)
+    out = decoder.logits_of(h, head, invariant=moe_cfg.batch_invariant, kernels=cfg.kernels) if logits else h
     return out, cache, expert.moe_aux(list(stats.values()), moe_cfg)  # router statistics of the global batch
 
 

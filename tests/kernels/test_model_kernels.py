@@ -159,6 +159,22 @@ def test_other_families_run_the_kernels_and_keep_their_logits(name, monkeypatch)
     torch.testing.assert_close(logits, torch_model.apply(params, tokens)[0], **F32)
 
 
+@pytest.mark.parametrize("name, per_layer", [("deepseek_v3", 5), ("muse_glimmer", 8), ("qwen3_moe", 4),
+                                             ("qwen3_next", 2)])  # fmt: skip
+def test_other_families_run_their_projections_in_onednn(name, per_layer, monkeypatch):
+    """With oneDNN's size floors lifted, the families' own projections (MLA's, Muse Glimmer's gated
+    attention, Qwen3-Next's full and GDN layers) and their heads run there without a gradient: at least
+    ``per_layer`` per layer of the tiny configs, plus the head; the logits are the torch model's."""
+    monkeypatch.setattr(k_onednn, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(k_onednn, "MIN_FLOP", 0)
+    torch_model, triton_model = _models(name)
+    params, tokens = torch_model.init(ft.random.key(0)), _batch()["inputs"]
+    spy = Spy(monkeypatch, k_onednn, ("_linear_op",))
+    logits = triton_model.apply(params, tokens)[0]
+    assert spy.calls["_linear_op"] >= per_layer * SHRINK["n_layers"] + 1
+    torch.testing.assert_close(logits, torch_model.apply(params, tokens)[0], **F32)
+
+
 def test_kernels_flag_sets_the_model_field(tmp_path):
     from ftitan.config import config_from_dict, config_to_dict, parse_train_args
 
