@@ -160,6 +160,7 @@ def ftitan_step(
     """
     import ftitan as ft
     from ftitan.models import llama
+    from ftitan.train.runtime import gradient_path
 
     model = llama.model(ft.config.with_kernels(kernels)(_llama_config(cfg)))
     params = model.init(ft.random.key(seed), device=device)
@@ -169,9 +170,8 @@ def ftitan_step(
     )
     precision = ft.train.MixedPrecision(compute_dtype=compute_dtype).for_model(model)
     # donated, as the trainer runs it: params and moments updated in place, like the peers' torch.optim
-    grad_impl = "func" if kernels == "torch" else "autograd"
     step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True, precision=precision,
-                                    grad_impl=grad_impl)  # fmt: skip
+                                    grad_impl=gradient_path(kernels=kernels))  # fmt: skip
     if compile:
         step = torch.compile(step, fullgraph=True)
     tokens = peers.make_batch(cfg, seed=seed, device=device)

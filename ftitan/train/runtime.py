@@ -31,7 +31,7 @@ from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.remat import memory_budget
 from ftitan.train.step import make_train_step, update_runs_by_layers
 
-__all__ = ["Runtime", "resolve_backend", "resolve_device", "setup", "step_options"]
+__all__ = ["Runtime", "gradient_path", "resolve_backend", "resolve_device", "setup", "step_options"]
 
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -168,8 +168,7 @@ class Runtime:
         references under torch.func) and ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
         region = regional.backend_of(compile)
         if self.layout is None:
-            autograd = region is not None or remat != "none" or kernels != "torch" or attn_impl in ("flex", "auto")
-            grad_impl = "autograd" if autograd else "func"
+            grad_impl = gradient_path(compile=compile, remat=remat, kernels=kernels, attn_impl=attn_impl)
             # regional: the update half too is compiled once per layer kind, where the optimizer runs by layers
             # (Transform.leafwise: AdamW, SGD, behind clipping and the guard; not Muon); else it stays eager
             by_layers = region is not None and update_runs_by_layers(opt, trainable=trainable,
@@ -260,6 +259,15 @@ class Runtime:
         """Leave the process group this runtime joined (the world's ranks all call it)."""
         if self.layout is not None and self._owns_group:
             parallel.shutdown()
+
+
+def gradient_path(*, compile: bool | str = False, remat: str = "none", kernels: str = "torch",
+                  attn_impl: str = "sdpa") -> str:  # fmt: skip
+    """``make_train_step``'s ``grad_impl`` for a one-process step: "autograd" where regional compile,
+    rematerialization, ``ftitan.kernels`` (they step aside under torch.func) or FlexAttention ("flex",
+    "auto": no torch.func rules) need it, else "func". The same gradients either way."""
+    autograd = regional.backend_of(compile) is not None or remat != "none" or kernels != "torch"
+    return "autograd" if autograd or attn_impl in ("flex", "auto") else "func"
 
 
 def step_options(model_cfg: Any) -> dict[str, str]:

@@ -275,3 +275,16 @@ def test_whole_tree_statistics_inside_a_part():
         with pytest.raises(T.NotPartitionable, match="other than its gradients"):
             T.global_norm(T.map(torch.clone, g))
     assert T.global_norm(g) == 5**0.5
+
+
+@pytest.mark.parametrize(
+    "options, want",
+    [({}, "func"), ({"compile": True}, "func"), ({"compile": "regional"}, "autograd"), ({"remat": "full"}, "autograd"),
+     ({"kernels": "triton"}, "autograd"), ({"attn_impl": "flex"}, "autograd"), ({"attn_impl": "math"}, "func")],
+)  # fmt: skip
+def test_the_gradient_path_is_autograd_where_a_choice_needs_it(options, want):
+    """One rule for ``ftitan train`` and ``ftitan bench step``: regional compile, remat, ftitan.kernels and
+    FlexAttention differentiate on the autograd path (torch.func refuses or bypasses them), else torch.func."""
+    from ftitan.train.runtime import gradient_path
+
+    assert gradient_path(**options) == want
