@@ -1,9 +1,11 @@
 """The training loop as function composition: a byte-level Llama on real text.
 
-    python examples/train_loop.py [--steps 200] [--optimizer adamw|muon] [--no-compile]
+    python examples/train_loop.py [--steps 200] [--optimizer adamw|muon] [--no-compile] [--kernels triton]
 
 Trains ``llama.Config.debug()`` (vocab 256: one token per byte) on the source
 of ``torch/__init__.py``; loss falls from ln(256) ~ 5.5 in a few dozen steps.
+``--kernels triton``: the model's kernels by ``ftitan.kernels`` (Triton on CUDA; on the CPU the linear
+layers' GEMMs in oneDNN), differentiated on the autograd path they need (``gradient_path``).
 """
 
 import argparse
@@ -14,15 +16,17 @@ import torch
 
 import ftitan as ft
 from ftitan.models import llama
+from ftitan.train.runtime import gradient_path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
 parser.add_argument("--no-compile", action="store_true")
+parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
 args = parser.parse_args()
 
 data = torch.tensor(list(pathlib.Path(torch.__file__).read_bytes()), dtype=torch.long)
-model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256))
+model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256, kernels=args.kernels))
 params = model.init(ft.random.key(0))
 lr = ft.optim.warmup_cosine(3e-3, warmup=args.steps // 10, total=args.steps)
 if args.optimizer == "muon":  # Muon on hidden matrices, AdamW on embeddings/head/norms
@@ -31,7 +35,8 @@ else:
     inner = ft.optim.adamw(lr, weight_decay=0.1)
 opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), inner)
 # donate: each step writes the new params and optimizer state into the old state's buffers (in place)
-step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True)
+step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True,
+                                grad_impl=gradient_path(kernels=args.kernels))
 if not args.no_compile:
     step = torch.compile(step, fullgraph=True)
 state = ft.train.init_state(params, opt)

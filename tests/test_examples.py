@@ -11,11 +11,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # muon: slow (40 eager Muon steps, ~35 s); Muon's own tests are in tests/optim, and README's loop (the
-# test below) trains with it compiled
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])
-def test_train_loop_example_trains(optimizer):
+# test below) trains with it compiled. The default tier runs AdamW with --kernels triton (oneDNN GEMMs on
+# the CPU, the autograd path); plain ops train in README's loop below, so their run of this is slow tier.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("optimizer, kernels", [("adamw", "triton"), pytest.param("adamw", "torch", marks=SLOW),
+                                                pytest.param("muon", "torch", marks=SLOW)])  # fmt: skip
+def test_train_loop_example_trains(optimizer, kernels):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train_loop.py"), "--steps", "40", "--optimizer", optimizer, "--no-compile"],
+        [sys.executable, str(ROOT / "examples" / "train_loop.py"), "--steps", "40", "--optimizer", optimizer,
+         "--kernels", kernels, "--no-compile"],
         capture_output=True, text=True, check=True, timeout=300,
     ).stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
