@@ -1,11 +1,14 @@
 """The training loop as function composition: a byte-level Llama on real text.
 
     python examples/train_loop.py [--steps 200] [--optimizer adamw|muon] [--no-compile] [--kernels triton]
+                                  [--float8 tensorwise|rowwise]
 
 Trains ``llama.Config.debug()`` (vocab 256: one token per byte) on the source
 of ``torch/__init__.py``; loss falls from ln(256) ~ 5.5 in a few dozen steps.
 ``--kernels triton``: the model's kernels by ``ftitan.kernels`` (Triton on CUDA; on the CPU the linear
 layers' GEMMs in oneDNN), differentiated on the autograd path they need (``gradient_path``).
+``--float8 rowwise``: the blocks' projections in float8 by that torchao recipe (float8 GEMMs on an H100-class
+GPU, torchao's emulation elsewhere; ``ftitan.nn.float8``), on the autograd path too.
 """
 
 import argparse
@@ -23,10 +26,11 @@ parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
 parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
+parser.add_argument("--float8", choices=["", "tensorwise", "rowwise"], default="")
 args = parser.parse_args()
 
 data = torch.tensor(list(pathlib.Path(torch.__file__).read_bytes()), dtype=torch.long)
-model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256, kernels=args.kernels))
+model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256, kernels=args.kernels, float8=args.float8))
 params = model.init(ft.random.key(0))
 lr = ft.optim.warmup_cosine(3e-3, warmup=args.steps // 10, total=args.steps)
 if args.optimizer == "muon":  # Muon on hidden matrices, AdamW on embeddings/head/norms
@@ -36,7 +40,7 @@ else:
 opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), inner)
 # donate: each step writes the new params and optimizer state into the old state's buffers (in place)
 step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True,
-                                grad_impl=gradient_path(kernels=args.kernels))
+                                grad_impl=gradient_path(kernels=args.kernels, float8=args.float8))
 if not args.no_compile:
     step = torch.compile(step, fullgraph=True)
 state = ft.train.init_state(params, opt)

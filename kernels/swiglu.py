@@ -132,13 +132,15 @@ def swiglu_mlp(
     *,
     w13: torch.Tensor | None = None,  # (2F, D): [w1; w3] in one matrix, instead of w1 and w3
     kernels: str = "triton",
+    float8: str = "",
 ) -> torch.Tensor:  # (..., D)
     """``ftitan.nn.swiglu`` (``w2(silu(w1 x) * w3 x)``) with its gating by :func:`swiglu`; the matmuls
-    are ``ftitan.nn.linear``'s with ``kernels`` (oneDNN's GEMMs on the CPU: ``ftitan.kernels.onednn``)."""
+    are ``ftitan.nn.linear``'s with ``kernels`` (oneDNN's GEMMs on the CPU: ``ftitan.kernels.onednn``) and
+    ``float8`` (``ftitan.nn.float8``)."""
     from ftitan.nn.linear import linear  # ftitan.nn.mlp imports this module lazily
 
     if w13 is not None:
-        gate, up = linear(x, w13, kernels=kernels).chunk(2, dim=-1)
+        gate, up = linear(x, w13, kernels=kernels, float8=float8).chunk(2, dim=-1)
     else:
-        gate, up = linear(x, w1, kernels=kernels), linear(x, w3, kernels=kernels)
-    return linear(swiglu(gate, up), w2, kernels=kernels)
+        gate, up = linear(x, w1, kernels=kernels, float8=float8), linear(x, w3, kernels=kernels, float8=float8)
+    return linear(swiglu(gate, up), w2, kernels=kernels, float8=float8)

@@ -12,16 +12,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # muon: slow (40 eager Muon steps, ~35 s); Muon's own tests are in tests/optim, and README's loop (the
 # test below) trains with it compiled. The default tier runs AdamW with --kernels triton (oneDNN GEMMs on
-# the CPU, the autograd path); plain ops train in README's loop below, so their run of this is slow tier.
+# the CPU, the autograd path); plain ops train in README's loop below, so their run of this is slow tier, as
+# is --float8 rowwise (tests/nn/test_float8.py trains float8 in the default tier).
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("optimizer, kernels", [("adamw", "triton"), pytest.param("adamw", "torch", marks=SLOW),
-                                                pytest.param("muon", "torch", marks=SLOW)])  # fmt: skip
-def test_train_loop_example_trains(optimizer, kernels):
+@pytest.mark.parametrize("optimizer, kernels, float8", [("adamw", "triton", ""),
+                                                        pytest.param("adamw", "torch", "", marks=SLOW),
+                                                        pytest.param("muon", "torch", "", marks=SLOW),
+                                                        pytest.param("adamw", "torch", "rowwise", marks=SLOW)])  # fmt: skip
+def test_train_loop_example_trains(optimizer, kernels, float8):
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train_loop.py"), "--steps", "40", "--optimizer", optimizer,
-         "--kernels", kernels, "--no-compile"],
+         "--kernels", kernels, "--float8", float8, "--no-compile"],
         capture_output=True, text=True, check=True, timeout=300,
     ).stdout
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]

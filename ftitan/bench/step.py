@@ -99,6 +99,10 @@ class Options:
     """The ftitan peers' model kernels (``--model.kernels``, as ``ftitan train --kernels``): "triton"
     (``ftitan.kernels``: Triton on CUDA; on the CPU the linear layers' GEMMs in oneDNN and the other
     kernels' references) or "torch" (plain ops); not "torch": gradients by the step's autograd path."""
+    float8: str = ""
+    """FP8 training of the ftitan peers' block projections: "tensorwise" or "rowwise" (torchao's recipes,
+    ``ftitan train --float8``; float8 GEMMs on CUDA 8.9+, emulated elsewhere), "" none. Model FLOP/s are
+    still judged against the compute dtype's GEMM peak."""
     seq_len: int = 0
     """Override the shape's sequence length (0: the shape's own)."""
     batch_size: int = 0
@@ -150,6 +154,7 @@ def ftitan_step(
     compute_dtype: torch.dtype = torch.float32,
     batches: Iterator[dict[str, torch.Tensor]] | None = None,
     kernels: str = "torch",
+    float8: str = "",
 ) -> Callable[[], float]:
     """The ftitan peer: the pure step, state carried between calls by the caller's loop.
 
@@ -157,12 +162,14 @@ def ftitan_step(
     one pre-tokenized batch: the step time then includes whatever the loader makes the step wait.
     ``kernels``: the model config's; other than "torch", gradients by the autograd path, as
     ``ftitan train`` takes them (``ftitan.kernels`` step aside for their references under ``torch.func``).
+    ``float8``: the model config's recipe (``ftitan.nn.float8``), likewise on the autograd path.
     """
     import ftitan as ft
     from ftitan.models import llama
     from ftitan.train.runtime import gradient_path
 
-    model = llama.model(ft.config.with_kernels(kernels)(_llama_config(cfg)))
+    fast_paths = ft.config.compose(ft.config.with_kernels(kernels), ft.config.with_float8(float8))
+    model = llama.model(fast_paths(_llama_config(cfg)))
     params = model.init(ft.random.key(seed), device=device)
     opt = ft.optim.adamw(
         peers.DEFAULT_LR, b1=peers.ADAMW_BETAS[0], b2=peers.ADAMW_BETAS[1], eps=peers.ADAMW_EPS,
@@ -171,7 +178,7 @@ def ftitan_step(
     precision = ft.train.MixedPrecision(compute_dtype=compute_dtype).for_model(model)
     # donated, as the trainer runs it: params and moments updated in place, like the peers' torch.optim
     step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True, precision=precision,
-                                    grad_impl=gradient_path(kernels=kernels))  # fmt: skip
+                                    grad_impl=gradient_path(kernels=kernels, float8=float8))  # fmt: skip
     if compile:
         step = torch.compile(step, fullgraph=True)
     tokens = peers.make_batch(cfg, seed=seed, device=device)
@@ -214,19 +221,20 @@ def _streaming(cfg: dict[str, Any], source: Any, tok: Any) -> Iterator[dict[str,
 
 
 def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
-           loader: tuple[Any, Any] | None = None, kernels: str = "torch") -> Callable[[], float]:  # fmt: skip
+           loader: tuple[Any, Any] | None = None, kernels: str = "torch",
+           float8: str = "") -> Callable[[], float]:  # fmt: skip
     if name.endswith(BF16):
-        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, kernels)
+        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, kernels, float8)
     if name == STREAMING_PEER:
         assert loader is not None
         return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader),
-                           kernels=kernels)  # fmt: skip
+                           kernels=kernels, float8=float8)  # fmt: skip
     family, _, mode = name.rpartition("-")
     compile = mode == "compiled"
     if mode not in ("eager", "compiled"):
         raise ValueError(f"unknown peer {name!r}; peers end in -eager or -compiled")
     if family == "ftitan":
-        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, kernels=kernels)
+        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, kernels=kernels, float8=float8)
     if family == "hf":
         autocast = dtype if dtype != torch.float32 else None
         return peers.hf_llama_step(cfg, compile=compile, adamw_impl="fused", device=device, autocast_dtype=autocast)
@@ -313,6 +321,9 @@ def run(opts: Options) -> dict[str, Any]:
     from ftitan.kernels.op import check_kernels
 
     check_kernels(opts.kernels, "--kernels")
+    from ftitan.nn.float8 import check_recipe
+
+    check_recipe(opts.float8, "--float8")
     if opts.mixed_precision not in DTYPES:
         raise ValueError(f"--mixed-precision={opts.mixed_precision!r}: expected one of {tuple(DTYPES)}")
     device, dtype, cfg = resolve_device(opts.device), DTYPES[opts.mixed_precision], _config(opts)
@@ -321,7 +332,7 @@ def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
         loader = streaming_loader(cfg, Path(tmp)) if STREAMING_PEER in names else None
         steps: dict[str, Callable[[], Any]] = {
-            n: _build(n, cfg, device, dtype, loader, opts.kernels) for n in names if n not in skipped
+            n: _build(n, cfg, device, dtype, loader, opts.kernels, opts.float8) for n in names if n not in skipped
         }
         # the GEMM peaks, sampled in every round beside the steps (their rows' denominators)
         # --quick is a smoke run: a small probe (a 2048^3 bf16 GEMM where the CPU lacks AVX512-BF16 is emulated,
@@ -369,7 +380,8 @@ def run(opts: Options) -> dict[str, Any]:
         "bench": "step",
         "config": cfg | {"model": "quick" if opts.quick else opts.model, "dtype": "float32",
                          "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
-                         "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels},  # fmt: skip
+                         "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels,
+                         "float8": opts.float8},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak

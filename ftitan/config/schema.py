@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import attrs
 import tyro
 
-from ftitan.config.transforms import with_kernels, with_remat
+from ftitan.config.transforms import with_float8, with_kernels, with_remat
 from ftitan.kernels.op import KERNELS
 from ftitan.models import deepseek_v3, deepseek_v4, llama, muse_glimmer, qwen3, qwen3_moe, qwen3_next
 from ftitan.parallel.dims import ParallelDims
@@ -212,6 +212,7 @@ class TrainConfig:
     compile: bool | Literal["regional"] = True  # torch.compile the train step (fullgraph); "regional": each block once (docs/compile-and-memory.md)
     remat: str = ""  # activation rematerialization of every block: "none", "full", "save-matmuls", "regions:attn", "budget:F" ("": --model.remat's)
     kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA; references and oneDNN GEMMs on the CPU; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (docs/gpus-and-precision.md; "": --model.float8's)
     deterministic: bool = True  # torch.use_deterministic_algorithms during the run: bit-identical reruns, compiled too (inductor's CPU scatter-adds otherwise vary in the last bits)
     seed: int = 0  # seeds init and data order
     run_dir: str = "runs/{recipe}"  # where tokenizer, metrics, checkpoints and loss.png go
@@ -221,6 +222,12 @@ class TrainConfig:
         # unknown name is left for validate to refuse, naming the flag
         if self.kernels in KERNELS and self.model.kernels != self.kernels:
             object.__setattr__(self, "model", with_kernels(self.kernels)(self.model))
+        # --float8 likewise (a recipe the model config lacks or refuses is left for validate, naming the flag)
+        if self.float8 and getattr(self.model, "float8", self.float8) != self.float8:
+            try:
+                object.__setattr__(self, "model", with_float8(self.float8)(self.model))
+            except ValueError:
+                pass
         # --remat likewise sets the model config's remat field (an invalid policy is left for validate)
         if self.remat and self.remat != getattr(self.model, "remat", self.remat) and _valid_remat(self.remat):
             object.__setattr__(self, "model", with_remat(self.remat)(self.model))

@@ -27,6 +27,7 @@ __all__ = [
     "model_error",
     "with_attn_impl",
     "with_dim",
+    "with_float8",
     "with_kernels",
     "with_layers",
     "with_max_seq_len",
@@ -95,6 +96,27 @@ def with_kernels(name: str) -> ModelTransform:
 
     check_kernels(name, "--kernels")
     return with_model_fields(kernels=name)
+
+
+def with_float8(recipe: str) -> ModelTransform:
+    """Transform choosing FP8 training of the blocks' projections: "tensorwise" or "rowwise" (torchao's float8
+    recipes, ``ftitan.nn.float8``: float8 GEMMs on CUDA with compute capability 8.9+, torchao's emulation
+    elsewhere), "" for none. For llama, qwen3, qwen3_moe and deepseek_v3 (Kimi K2) configs; the config
+    validates it (a known recipe, projection widths multiples of 16, not batch-invariant)."""
+    from ftitan.nn.float8 import check_recipe
+
+    check_recipe(recipe, "--float8")
+
+    def transform(cfg: Any) -> Any:
+        if not hasattr(cfg, "float8"):
+            if not recipe:  # none asked for: nothing to set
+                return cfg
+            name = f"{type(cfg).__module__}.{type(cfg).__qualname__}"
+            raise ValueError(f"--float8={recipe!r}: {name} has no float8 projections yet (llama, qwen3, qwen3_moe "
+                             "and deepseek_v3 configs have); drop --float8")  # fmt: skip
+        return with_model_fields(float8=recipe)(cfg)
+
+    return transform
 
 
 def with_remat(policy: str) -> ModelTransform:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import attrs
+import torch
 
 from ftitan.config.schema import TrainConfig
 from ftitan.config.transforms import model_error
@@ -194,6 +195,16 @@ def _check_compile_and_remat(cfg: TrainConfig) -> None:
         raise _fail("--kernels", cfg.kernels, f"expected one of {KERNELS} ('triton': ftitan.kernels on CUDA, their "
                     "references and oneDNN GEMMs on the CPU), or '' for the model's --model.kernels")  # fmt: skip
     check_policy(getattr(cfg.model, "remat", "none"), field="--model.remat")
+    if cfg.float8:
+        from ftitan.config.transforms import with_float8
+
+        try:
+            with_float8(cfg.float8)(cfg.model)
+        except ValueError as e:
+            raise (e if str(e).startswith("--float8") else ValueError(f"--float8={cfg.float8!r}: {e}")) from None
+    if getattr(cfg.model, "float8", "") and cfg.parallel.world_size > 1:
+        raise _fail("--float8", cfg.model.float8, "float8 training runs on one process for now (its scales are this "
+                    "process's amax; no sharded scales yet); drop --float8 or the --parallel.* degrees")  # fmt: skip
 
 
 def _check_runtime(cfg: TrainConfig) -> None:
@@ -203,6 +214,10 @@ def _check_runtime(cfg: TrainConfig) -> None:
 
     device = resolve_device(cfg.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     resolve_backend(cfg.parallel.backend, device)
+    recipe = getattr(cfg.model, "float8", "")
+    if recipe and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise _fail("--float8", recipe, f"float8 GEMMs need a GPU of compute capability 8.9 or newer (H100, H200, "
+                    f"L4, ...); this one is {torch.cuda.get_device_capability(device)}; drop --float8")  # fmt: skip
     from ftitan.parallel.shard import BUCKETS
 
     if cfg.flexshard.buckets not in BUCKETS:

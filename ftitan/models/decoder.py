@@ -136,12 +136,12 @@ def attention(
     x = par.column_input(x)  # tensor parallel: the block's input, whole on every tp rank
     b, t, _ = x.shape
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
-    inv, kern = invariant.enabled(cfg), cfg.kernels
+    inv, kern, f8 = invariant.enabled(cfg), cfg.kernels, getattr(cfg, "float8", "")
     if "wqkv" in p:  # one matmul for q, k, v (ftitan.infer.fuse_projections; one process, no tp)
         sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
-        q, k, v = nn.linear(x, p["wqkv"], invariant=inv, kernels=kern).split(sizes, dim=-1)
+        q, k, v = nn.linear(x, p["wqkv"], invariant=inv, kernels=kern, float8=f8).split(sizes, dim=-1)
     else:
-        q, k, v = (nn.linear(x, p[name], invariant=inv, kernels=kern) for name in ("wq", "wk", "wv"))
+        q, k, v = (nn.linear(x, p[name], invariant=inv, kernels=kern, float8=f8) for name in ("wq", "wk", "wv"))
     q, k, v = (y.reshape(b, t, -1, cfg.head_dim) for y in (q, k, v))
     if "q_norm" in p:  # Qwen3
         q = nn.rms_norm(q, par.tp_shared(p["q_norm"], "heads"), cfg.norm_eps, invariant=inv, kernels=cfg.kernels)
@@ -151,7 +151,7 @@ def attention(
     else:
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
-    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv, kernels=kern))
+    return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv, kernels=kern, float8=f8))
 
 
 def norm(cfg: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -162,11 +162,11 @@ def norm(cfg: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor], *, invariant: bool = False,
-        kernels: str = "torch") -> torch.Tensor:  # fmt: skip
+        kernels: str = "torch", float8: str = "") -> torch.Tensor:  # fmt: skip
     """SwiGLU MLP of ``x`` (B, T_local, D) normed, column-parallel ``w1``/``w3`` and row-parallel ``w2``
     under tensor parallelism; ``invariant``: batch-invariant matmuls (``nn.invariant``); ``kernels``: the
-    model's ``kernels`` (``nn.swiglu``)."""
-    return par.row_output(nn.swiglu(par.column_input(x), **p, invariant=invariant, kernels=kernels))
+    model's ``kernels`` (``nn.swiglu``); ``float8``: the model's (``ftitan.nn.float8``)."""
+    return par.row_output(nn.swiglu(par.column_input(x), **p, invariant=invariant, kernels=kernels, float8=float8))
 
 
 def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str,
@@ -380,7 +380,8 @@ def dense_stage(
     def block(_i: int, p: Mapping[str, Any], h: torch.Tensor, attend: Attend) -> tuple[torch.Tensor, None]:
         h = h + attention(cfg, p["attn"], norm(cfg, h, p["attn_norm"]), cos, sin, attend=attend)
         x = norm(cfg, h, p["mlp_norm"])
-        return h + mlp(x, p["mlp"], invariant=invariant.enabled(cfg), kernels=cfg.kernels), None
+        return h + mlp(x, p["mlp"], invariant=invariant.enabled(cfg), kernels=cfg.kernels,
+                       float8=getattr(cfg, "float8", "")), None
 
     return run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache, segments=segments)
 

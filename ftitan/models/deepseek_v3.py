@@ -143,6 +143,7 @@ class Config:
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (ftitan.nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
     n_mtp_layers: int = 0  # D: multi-token-prediction modules (HF num_nextn_predict_layers; V3 ships 1)
@@ -173,6 +174,12 @@ class Config:
                 build()
             except ValueError as e:
                 raise ValueError(f"deepseek_v3.Config: {e}") from None
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        nn.float8.check_config(self, "deepseek_v3", {
+            "dim": self.dim, "ffn_dim": self.ffn_dim, "q": self.n_heads * qk, "q_lora_rank": self.q_lora_rank or 16,
+            "kv_a": self.kv_lora_rank + self.qk_rope_head_dim,
+            "kv_b": self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), "o": self.n_heads * self.v_head_dim,
+        })  # fmt: skip
 
     @property
     def mla(self) -> mla_.MLAConfig:
@@ -181,7 +188,7 @@ class Config:
             qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
             v_head_dim=self.v_head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
             rope_interleave=self.rope_interleave, latent_norm_eps=self.latent_norm_eps, attn_impl=self.attn_impl,
-            kernels=self.kernels,
+            kernels=self.kernels, float8=self.float8,
         )  # fmt: skip
 
     @property
@@ -415,7 +422,8 @@ def _block(
     h = h + _attention(decoder.norm(cfg, h, p["attn_norm"]), p["attn"], cos, sin, mla_cfg, attend=attend)
     x = decoder.norm(cfg, h, p["mlp_norm"])
     if dense:
-        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant, kernels=cfg.kernels), None
+        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant, kernels=cfg.kernels,
+                               float8=cfg.float8), None
     y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden widths over tp
     return h + y, stats
 

@@ -75,6 +75,7 @@ class Config:
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (ftitan.nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
@@ -105,6 +106,8 @@ class Config:
             raise ValueError(
                 f"llama.Config.rope_scaling={self.rope_scaling!r}: expected None or nn.Llama3RopeScaling"
             )
+        nn.float8.check_config(self, "llama", {"dim": self.dim, "ffn_dim": self.ffn_dim,
+                                            "kv": self.n_kv_heads * self.head_dim})  # fmt: skip
 
     @property
     def head_dim(self) -> int:

@@ -106,6 +106,7 @@ class Config:
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (ftitan.nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
@@ -125,6 +126,8 @@ class Config:
             )
         if len(self.dense_layers) == self.n_layers:
             raise ValueError("qwen3_moe.Config: every layer is in dense_layers; use ftitan.models.qwen3 instead")
+        nn.float8.check_config(self, "qwen3_moe", {"dim": self.dim, "ffn_dim": self.ffn_dim, "q": self.n_heads * self.head_dim,
+                                            "kv": self.n_kv_heads * self.head_dim})
 
     @property
     def moe(self) -> MoEConfig:
@@ -250,7 +253,8 @@ def _stage(
         if "moe" in p:
             y, stats = expert.moe(x, p["moe"], moe_cfg)  # routed experts over ep, hidden width over tp
             return h + y, stats
-        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant, kernels=cfg.kernels), None
+        return h + decoder.mlp(x, p["mlp"], invariant=moe_cfg.batch_invariant, kernels=cfg.kernels,
+                               float8=cfg.float8), None
 
     return decoder.run_stage(cfg, params, x, block, layers=layers, first=first, last=last, cache=cache,
                              segments=segments)  # fmt: skip

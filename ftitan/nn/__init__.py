@@ -15,7 +15,7 @@ layer's params from a key directly.
 from ftitan.nn.attention import AttentionImpl, attention, causal_mask, document_mask, document_positions
 from ftitan.nn.embedding import EMBED_AXES, embed, embed_param, init_embed
 from ftitan.nn.linear import bias_param, init_linear, linear, linear_param
-from ftitan.nn import flex, invariant, mla, moe
+from ftitan.nn import flex, float8, invariant, mla, moe
 from ftitan.nn.mla import MLAConfig, mla_params
 from ftitan.nn.mlp import init_swiglu, swiglu, swiglu_params
 from ftitan.nn.moe import MoEConfig, MoEStats, moe_params
@@ -65,6 +65,7 @@ __all__ = [
     "embed",
     "embed_param",
     "flex",
+    "float8",
     "init",
     "init_embed",
     "init_linear",

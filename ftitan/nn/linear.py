@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ftitan.kernels import onednn
+from ftitan.nn import float8 as _float8
 from ftitan.nn import invariant as _invariant
 from ftitan.nn.param import Param, init, truncated_normal_init, zeros_init
 
@@ -25,12 +26,16 @@ def linear(
     *,
     invariant: bool = False,
     kernels: str = "torch",
+    float8: str = "",
 ) -> torch.Tensor:  # (..., out)
     """``x @ w.T + b``. ``w`` may also be a :class:`PreparedWeight` (a matrix an inference runtime
     laid out for its own GEMM, e.g. ``ftitan.vllm``'s oneDNN-packed weights): it computes the same.
     ``invariant``: each row in a GEMM of fixed shape (``ftitan.nn.invariant.linear``), so its bits do
     not depend on the other rows. ``kernels`` (a model config's): other than "torch", float32 GEMMs on
-    the CPU run in oneDNN (``ftitan.kernels.onednn.linear``; ``F.linear`` under ``torch.func``)."""
+    the CPU run in oneDNN (``ftitan.kernels.onednn.linear``; ``F.linear`` under ``torch.func``). ``float8``
+    (a model config's, e.g. "tensorwise"): the three GEMMs in float8 by that torchao recipe (``ftitan.nn.float8``)."""
+    if float8 and not invariant and isinstance(w, torch.Tensor):
+        return _float8.linear(x, w, b, recipe=float8)
     if invariant:
         return _invariant.linear(x, w, b)  # type: ignore[arg-type]
     if not isinstance(w, torch.Tensor):

@@ -84,6 +84,7 @@ class MLAConfig:
     latent_norm_eps: float = 1e-6  # epsilon of the q/kv latent RMSNorms (fixed 1e-6 in DeepSeek's and HF's code)
     attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant", "flex", "auto"
     kernels: str = "torch"  # "triton": latent norms and RoPE by ftitan.kernels (Triton on CUDA, references elsewhere)
+    float8: str = ""  # "tensorwise" / "rowwise": the projections in float8 (ftitan.nn.float8)
 
     def __attrs_post_init__(self) -> None:
         if self.qk_rope_head_dim % 2:
@@ -183,23 +184,23 @@ def mla(
     b, t, _ = x.shape
     dn, dr, dv, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     inv = cfg.attn_impl == "batch_invariant"  # every matmul and norm batch-invariant too (nn.invariant)
-    kern = cfg.kernels
+    kern, f8 = cfg.kernels, cfg.float8
     if cfg.q_lora_rank is None:
-        q = linear(x, p["wq"], invariant=inv, kernels=kern)
+        q = linear(x, p["wq"], invariant=inv, kernels=kern, float8=f8)
     else:
-        q_a = linear(x, p["wq_a"], invariant=inv, kernels=kern)
+        q_a = linear(x, p["wq_a"], invariant=inv, kernels=kern, float8=f8)
         q = linear(rms_norm(q_a, p["q_norm"], cfg.latent_norm_eps, invariant=inv, kernels=kern), p["wq_b"],
-                   invariant=inv, kernels=kern)  # fmt: skip
+                   invariant=inv, kernels=kern, float8=f8)  # fmt: skip
     q_nope, q_rope = q.view(b, t, -1, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
     h = q_nope.shape[2]
-    latent, k_rope = linear(x, p["wkv_a"], invariant=inv, kernels=kern).split((rkv, dr), dim=-1)  # (B,T,Rkv), (B,T,Dr)
+    latent, k_rope = linear(x, p["wkv_a"], invariant=inv, kernels=kern, float8=f8).split((rkv, dr), dim=-1)  # (B,T,Rkv), (B,T,Dr)
     latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps, invariant=inv, kernels=kern)
     q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave, cfg.kernels)
     k_rope = _rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave, cfg.kernels)  # (B, T, 1, Dr): one key for all heads
     # KV-cache seam: a cache would append (latent, k_rope) here, Rkv + Dr numbers per token
-    kv = linear(latent, p["wkv_b"], invariant=inv, kernels=kern)
+    kv = linear(latent, p["wkv_b"], invariant=inv, kernels=kern, float8=f8)
     k_nope, v = kv.view(b, t, h, dn + dv).split((dn, dv), dim=-1)
     q = torch.cat((q_nope, q_rope), dim=-1)  # (B, T, H, Dn + Dr)
     k = torch.cat((k_nope, k_rope.expand(b, t, h, dr)), dim=-1)
     o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.softmax_scale)  # (B, T, H, Dv)
-    return linear(o.reshape(b, t, h * dv), p["wo"], invariant=inv, kernels=kern)
+    return linear(o.reshape(b, t, h * dv), p["wo"], invariant=inv, kernels=kern, float8=f8)

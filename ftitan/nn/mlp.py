@@ -24,23 +24,25 @@ def swiglu(
     w13: torch.Tensor | None = None,  # (2F, D): [w1; w3] in one matrix, instead of w1 and w3
     invariant: bool = False,
     kernels: str = "torch",
+    float8: str = "",
 ) -> torch.Tensor:  # (..., D)
     """``w2(silu(w1 x) * w3 x)``; with ``w13`` (``ftitan.infer.fuse_projections``: one matmul for
     gate and up, as inference engines do) the same function. ``invariant``: batch-invariant
-    matmuls (``ftitan.nn.invariant``). ``kernels="triton"`` (or "helion"): the gating by ``ftitan.kernels.swiglu``."""
+    matmuls (``ftitan.nn.invariant``). ``kernels="triton"`` (or "helion"): the gating by ``ftitan.kernels.swiglu``.
+    ``float8`` (e.g. "tensorwise"): the three projections in float8 (``ftitan.nn.float8``)."""
     if kernels != "torch" and not invariant:  # "triton", "helion": Triton's; imported here (ftitan.kernels imports nn)
         from ftitan.kernels.swiglu import swiglu_mlp
 
-        return swiglu_mlp(x, w1, w2, w3, w13=w13, kernels=kernels)
+        return swiglu_mlp(x, w1, w2, w3, w13=w13, kernels=kernels, float8=float8)
     if w13 is not None:
-        gate, up = linear(x, w13, invariant=invariant).chunk(2, dim=-1)
+        gate, up = linear(x, w13, invariant=invariant, float8=float8).chunk(2, dim=-1)
     else:
-        gate, up = linear(x, w1, invariant=invariant), linear(x, w3, invariant=invariant)
+        gate, up = linear(x, w1, invariant=invariant, float8=float8), linear(x, w3, invariant=invariant, float8=float8)
     # silu written out: F.silu's fused backward kernel differs from the
     # decomposition torch.func uses by an ulp, and the train step promises
     # identical gradients on its torch.func and autograd paths
     sig = _invariant.sigmoid(gate) if invariant else torch.sigmoid(gate)
-    return linear(gate * sig * up, w2, invariant=invariant)
+    return linear(gate * sig * up, w2, invariant=invariant, float8=float8)
 
 
 def swiglu_params(dim: int, hidden_dim: int, *, std: float = 0.02, out_std: float | None = None) -> dict[str, Param]:

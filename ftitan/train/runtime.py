@@ -159,16 +159,19 @@ class Runtime:
         remat: str = "none",
         kernels: str = "torch",
         attn_impl: str = "sdpa",
+        float8: str = "",
     ) -> Callable:
         """The run's train step. ``compile``: True (whole step, fullgraph), False, or ``"regional"`` (each block
         compiled once, ``ftitan.train.regional``; ``"regional:<backend>"`` picks the backend). ``remat``: the
         model config's policy (``ftitan.train.remat``): with it, or regional, gradients come from the
         autograd path (saved-tensor hooks and compiled regions are refused under torch.func), the same gradients.
         So they do for the model config's ``kernels`` other than "torch" (``ftitan.kernels`` step aside for their
-        references under torch.func) and ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
+        references under torch.func), ``float8`` (torchao's recipe runs where torch.func does not) and
+        ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
         region = regional.backend_of(compile)
         if self.layout is None:
-            grad_impl = gradient_path(compile=compile, remat=remat, kernels=kernels, attn_impl=attn_impl)
+            grad_impl = gradient_path(compile=compile, remat=remat, kernels=kernels, attn_impl=attn_impl,
+                                      float8=float8)  # fmt: skip
             # regional: the update half too is compiled once per layer kind, where the optimizer runs by layers
             # (Transform.leafwise: AdamW, SGD, behind clipping and the guard; not Muon); else it stays eager
             by_layers = region is not None and update_runs_by_layers(opt, trainable=trainable,
@@ -262,19 +265,20 @@ class Runtime:
 
 
 def gradient_path(*, compile: bool | str = False, remat: str = "none", kernels: str = "torch",
-                  attn_impl: str = "sdpa") -> str:  # fmt: skip
+                  attn_impl: str = "sdpa", float8: str = "") -> str:  # fmt: skip
     """``make_train_step``'s ``grad_impl`` for a one-process step: "autograd" where regional compile,
-    rematerialization, ``ftitan.kernels`` (they step aside under torch.func) or FlexAttention ("flex",
-    "auto": no torch.func rules) need it, else "func". The same gradients either way."""
-    autograd = regional.backend_of(compile) is not None or remat != "none" or kernels != "torch"
+    rematerialization, ``ftitan.kernels`` (they step aside under torch.func), float8 (torchao's GEMMs, the
+    same likewise) or FlexAttention ("flex", "auto": no torch.func rules) need it, else "func". The same
+    gradients either way."""
+    autograd = regional.backend_of(compile) is not None or remat != "none" or kernels != "torch" or bool(float8)
     return "autograd" if autograd or attn_impl in ("flex", "auto") else "func"
 
 
 def step_options(model_cfg: Any) -> dict[str, str]:
-    """What :meth:`Runtime.make_step` reads from a model config: its ``remat``, ``kernels`` and ``attn_impl``
-    (which pick the autograd gradient path; configs without a field get the default)."""
+    """What :meth:`Runtime.make_step` reads from a model config: its ``remat``, ``kernels``, ``attn_impl`` and
+    ``float8`` (which pick the autograd gradient path; configs without a field get the default)."""
     return {"remat": getattr(model_cfg, "remat", "none"), "kernels": getattr(model_cfg, "kernels", "torch"),
-            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa")}  # fmt: skip
+            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa"), "float8": getattr(model_cfg, "float8", "")}  # fmt: skip
 
 
 def _with_budget(step: Callable, policy: str) -> Callable:

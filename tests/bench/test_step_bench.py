@@ -59,6 +59,22 @@ def test_bf16_mixed_precision_runs_the_gpu_command_on_cpu(capsys, ours):
     assert all(r["tokens_per_s"] > 0 for r in printed["results"].values())
 
 
+def test_float8_runs_the_ftitan_peers_projections_in_float8(capsys, monkeypatch):
+    """``--float8 rowwise`` (the GPU's FP8 row, shrunk): the ftitan peer's projections go through
+    ``ftitan.nn.float8`` and the JSON records the recipe; an unknown recipe is refused naming the flag."""
+    from ftitan.nn import float8
+
+    calls = []
+    real = float8.linear
+    monkeypatch.setattr(float8, "linear", lambda *a, **k: calls.append(k["recipe"]) or real(*a, **k))
+    assert step.main(["--quick", "--device", "cpu", "--mixed-precision", "bf16", "--float8", "rowwise",
+                      "--peers", "ftitan-eager", "--warmup", "1", "--rounds", "1"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["config"]["float8"] == "rowwise"
+    assert calls and set(calls) == {"rowwise"}
+    with pytest.raises(ValueError, match="--float8='e4m3'"):
+        step.run(step.Options(quick=True, float8="e4m3", peers=("ftitan-eager",)))
+
+
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="--model='llama9'"):
         step.run(step.Options(quick=True, model="llama9", peers=("ftitan-eager",)))

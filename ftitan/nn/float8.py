@@ -1,0 +1,198 @@
+"""FP8 training of linear layers: torchao's float8 recipes as a pure function (``ftitan.nn.float8``).
+
+A model config with ``float8="tensorwise"`` (or ``"rowwise"``; ``ftitan.config.with_float8``,
+``ftitan train --float8 ...``) runs the projections of its blocks (attention and dense MLP; not the output
+head, the embeddings, routers or MoE experts, as torchao and TorchTitan leave them) through :func:`linear`:
+each of the three GEMMs of a linear layer (forward ``x @ w.T``, input gradient ``g @ w``, weight gradient
+``g.T @ x``) takes float8 operands with dynamic scales, accumulates in float32 and returns the input's dtype.
+
+- **Recipes** (torchao's ``Float8LinearConfig.from_recipe_name``): ``tensorwise``: one scale per tensor,
+  inputs and weights in e4m3, the output gradient in e5m2. ``rowwise``: one scale per row of each GEMM
+  operand along its reduction axis, everything in e4m3, scales rounded down to powers of two.
+- **Where.** Outside ``torch.func`` transforms torchao's own ``matmul_with_hp_or_float8_args`` runs: on
+  CUDA real float8 GEMMs (``torch._scaled_mm``: compute capability 8.9+, e.g. H100/H200, L4), elsewhere
+  torchao's emulation (the same casts, float32 GEMMs of the dequantized operands). Its derivative is an
+  autograd Function without ``torch.func`` rules, so a train step differentiates it on the autograd path
+  (``train.runtime.gradient_path``; ``ftitan train`` does). Under ``torch.func`` transforms and forward AD
+  ftitan's own implementation of the recipe runs (:func:`reference`: the same quantization written out,
+  an autograd Function with ``setup_context``, a generated vmap rule and a forward-AD rule), so
+  ``grad``/``vmap``/``jvp`` work on an FP8 model; the tests hold the two to each other.
+- **Scale.** ``scale = finfo(fp8).max / max(amax, 1e-12)`` (in float64, then float32), ``data =
+  clamp(t * scale) -> fp8``; a GEMM multiplies ``data / scale`` of its operands. The amax is of this
+  process's tensor: FP8 runs one process for now (validation refuses a parallel layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ftitan.kernels import op
+
+__all__ = ["RECIPES", "check_config", "check_recipe", "fake_quantize", "linear", "reference"]
+
+RECIPES = ("tensorwise", "rowwise")  # a model config's ``float8`` ("": off)
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+_EPS = 1e-12  # the smallest amax a scale is computed from (torchao's)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """Per GEMM operand: fp8 dtype and reduction axis of its scale (None: one scale per tensor)."""
+
+    grad_dtype: torch.dtype  # the output gradient's (inputs and weights: e4m3)
+    axiswise: bool  # one scale per row along each GEMM's reduction axis, else one per tensor
+    pow2: bool  # scales rounded down to a power of two
+
+
+_RECIPES = {"tensorwise": _Recipe(E5M2, axiswise=False, pow2=False), "rowwise": _Recipe(E4M3, axiswise=True, pow2=True)}
+
+
+def check_recipe(value: Any, owner: str) -> None:
+    """Raise naming ``owner`` (e.g. ``"--float8"``) unless ``value`` is "" (off) or one of :data:`RECIPES`."""
+    if value != "" and value not in RECIPES:
+        raise ValueError(f"{owner}={value!r}: expected one of {RECIPES} (torchao's float8 training recipes: "
+                         "'tensorwise' one scale per tensor, 'rowwise' one per row) or '' for none")  # fmt: skip
+
+
+def fake_quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, *, pow2: bool = False) -> torch.Tensor:
+    """``t`` cast to the float8 ``dtype`` with a dynamic scale and back, in float32: the value a float8
+    GEMM multiplies. ``dim``: the scale is per slice along ``dim`` (the amax reduced over it), else one for
+    the whole tensor; ``pow2``: scales rounded down to a power of two."""
+    a = t.abs()
+    amax = a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
+    scale = (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    fmax = torch.finfo(dtype).max
+    data = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
+    return data.to(torch.float32) / scale
+
+
+def _axis(r: _Recipe, dim: int) -> int | None:
+    return dim if r.axiswise else None
+
+
+class _Float8Linear(torch.autograd.Function):
+    """``x2 @ w.T`` (x2: (N, in), w: (out, in)) with the recipe's float8 operands in all three GEMMs."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x2: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
+        r = _RECIPES[recipe]
+        xq = fake_quantize(x2, E4M3, _axis(r, -1), pow2=r.pow2)
+        wq = fake_quantize(w, E4M3, _axis(r, -1), pow2=r.pow2)
+        return (xq @ wq.t()).to(x2.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x2, w, recipe = inputs
+        ctx.save_for_backward(x2, w)
+        ctx.save_for_forward(x2, w)
+        ctx.recipe = recipe
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x2, w = ctx.saved_tensors
+        r = _RECIPES[ctx.recipe]
+        gx = gw = None
+        if ctx.needs_input_grad[0]:  # g @ w: g's scale per row, w's per input column
+            gq = fake_quantize(g, r.grad_dtype, _axis(r, -1), pow2=r.pow2)
+            gx = (gq @ fake_quantize(w, E4M3, _axis(r, 0), pow2=r.pow2)).to(x2.dtype)
+        if ctx.needs_input_grad[1]:  # g.T @ x2: both scaled per column (the reduction runs over tokens)
+            gq = fake_quantize(g, r.grad_dtype, _axis(r, 0), pow2=r.pow2)
+            gw = (gq.t() @ fake_quantize(x2, E4M3, _axis(r, 0), pow2=r.pow2)).to(w.dtype)
+        return gx, gw, None
+
+    @staticmethod
+    def jvp(ctx: Any, tx: torch.Tensor | None, tw: torch.Tensor | None, _: Any) -> torch.Tensor:
+        # the casts' derivative taken as the identity (as the backward passes gradients straight through)
+        x2, w = ctx.saved_tensors
+        r = _RECIPES[ctx.recipe]
+        out = torch.zeros(x2.shape[0], w.shape[0], dtype=x2.dtype, device=x2.device)
+        if tx is not None:
+            out = out + (tx.to(torch.float32) @ fake_quantize(w, E4M3, _axis(r, -1), pow2=r.pow2).t()).to(x2.dtype)
+        if tw is not None:
+            out = out + (fake_quantize(x2, E4M3, _axis(r, -1), pow2=r.pow2) @ tw.to(torch.float32).t()).to(x2.dtype)
+        return out
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, recipe: str) -> torch.Tensor:
+    """ftitan's own implementation of the ``recipe``'s linear (plain ops; works under ``torch.func``)."""
+    y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, recipe).reshape(*x.shape[:-1], w.shape[0])
+    return y if b is None else y + b
+
+
+def _import_torchao() -> None:
+    """``import torchao``, quietly: without CUDA its CUDA extensions (MX and CUTLASS kernels, which the float8
+    recipes do not use) fail to load against a CPU torch, a warning per file, and torch's pytree warns about
+    two of its enums; both at import, neither about anything this module does."""
+    import logging
+
+    names = ("torch.utils._pytree",) + (() if torch.cuda.is_available() else ("torchao",))
+    logs = [logging.getLogger(n) for n in names]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+    finally:
+        for log, level in zip(logs, levels):
+            log.setLevel(level)
+
+
+_TORCHAO: dict[tuple[str, bool], tuple[Any, Any, Any]] = {}  # filled eagerly: dynamo reads it as constants
+
+
+def _torchao(recipe: str, emulate: bool) -> tuple[Any, Any, Any]:
+    """torchao's autograd Function, its ``LinearMMConfig`` and ``Float8LinearConfig`` for ``recipe`` (built
+    once, outside compiled code: :func:`check_config` prepares them when a model config asks for ``recipe``)."""
+    key = (recipe, emulate)
+    if key not in _TORCHAO:
+        _import_torchao()
+        from torchao.float8.config import Float8LinearConfig
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+
+        cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+
+        def gemm(c: Any) -> Any:  # as torchao's Float8Linear builds it
+            return ScaledMMConfig(emulate, c.use_fast_accum, False, cfg.pad_inner_dim)
+
+        mm = LinearMMConfig(gemm(cfg.gemm_config_output), gemm(cfg.gemm_config_grad_input),
+                            gemm(cfg.gemm_config_grad_weight))  # fmt: skip
+        _TORCHAO[key] = (matmul_with_hp_or_float8_args, mm, cfg)
+    return _TORCHAO[key]
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, recipe: str) -> torch.Tensor:
+    """``x @ w.T + b`` in float8 by ``recipe`` (see the module docstring): torchao's path where no
+    ``torch.func`` transform is active (float8 GEMMs on CUDA, its emulation elsewhere), else :func:`reference`."""
+    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, w))
+    if not (op.no_transform() and plain):
+        return reference(x, w, b, recipe=recipe)
+    fn, mm, cfg = _torchao(recipe, not x.is_cuda)
+    y = fn.apply(x, w.t(), mm, cfg)
+    return y if b is None else y + b
+
+
+def check_config(cfg: Any, family: str, widths: dict[str, int]) -> None:
+    """Validate a model config's ``float8`` field (``family`` names its class): a known recipe, not with
+    ``attn_impl="batch_invariant"`` (whose GEMMs must not depend on the batch: a per-tensor scale does), and
+    every projection width in ``widths`` (name -> size) a multiple of 16 (``torch._scaled_mm``'s rule)."""
+    check_recipe(cfg.float8, f"{family}.Config.float8")
+    if not cfg.float8:
+        return
+    for emulate in (True, False):  # torchao's objects for the recipe, built here rather than in compiled code
+        _torchao(cfg.float8, emulate)
+    if cfg.attn_impl == "batch_invariant":
+        raise ValueError(f"{family}.Config: float8={cfg.float8!r} with attn_impl='batch_invariant': a float8 "
+                         "scale is taken over the whole batch, so the log-probs could not be batch-invariant; "
+                         "use float8=''")  # fmt: skip
+    bad = {k: v for k, v in widths.items() if v % 16}
+    if bad:
+        raise ValueError(f"{family}.Config: float8={cfg.float8!r} needs every projection width to be a multiple of 16 "
+                         f"(float8 GEMMs, torch._scaled_mm); not: {bad}")  # fmt: skip

@@ -1,0 +1,236 @@
+"""FP8 training of linear layers (``ftitan.nn.float8``): torchao's recipes, emulated on the CPU.
+
+torchao's ``matmul_with_hp_or_float8_args`` (the independent reference: its casts and GEMMs, emulated in
+float32 off CUDA) against ftitan's own implementation of the recipes (``float8.reference``, the path under
+``torch.func``); the quantization grid; ``grad`` / ``vmap`` / ``jvp``; a compiled gradient; every family
+with a ``float8`` field on both gradient paths; the config's and the CLI's errors.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from torch.func import grad, jvp, vmap
+
+import ftitan as ft
+from ftitan.nn import float8
+from tests.tiny_families import family, tiny_config
+
+RECIPES = float8.RECIPES
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+def _inputs(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 24, 64, generator=g).to(dtype)
+    x[0, 3] *= 40.0  # an outlier row: per-tensor and per-row scales then differ
+    w = (torch.randn(48, 64, generator=g) * 0.05).to(dtype)
+    gy = torch.randn(2, 24, 48, generator=g).to(dtype)
+    return x, w, gy
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_reference_equals_torchao_bit_for_bit(recipe, dtype):
+    """Output and both gradients of ftitan's recipe equal torchao's (emulated) exactly; both differ from the
+    high-precision linear by what float8 costs (a few percent), so the casts really happen."""
+    x, w, gy = _inputs(dtype)
+    x.requires_grad_(), w.requires_grad_()
+    y_ao = float8.linear(x, w, recipe=recipe)  # no transform active: torchao's Function
+    y_ref = float8.reference(x, w, recipe=recipe)
+    assert y_ao.dtype == y_ref.dtype == dtype
+    assert torch.equal(y_ao, y_ref)
+    for a, b in zip(torch.autograd.grad(y_ao, (x, w), gy), torch.autograd.grad(y_ref, (x, w), gy)):
+        assert a.dtype == dtype and torch.equal(a, b)
+    exact = x.float() @ w.float().t()
+    assert 1e-3 < _rel(y_ref, exact) < 0.1
+
+
+def test_the_two_recipes_differ_where_a_row_is_an_outlier():
+    """Per-row scales keep the ordinary rows precise when one row is 10^5x larger; one scale per tensor pushes
+    them into e4m3's subnormals (a float8 type's relative precision holds only over its normal range)."""
+    x, w, _ = _inputs(torch.float32)
+    x[0, 3] *= 2500.0  # 40 * 2500 = 10^5
+    exact = x @ w.t()
+    err = {r: (float8.reference(x, w, recipe=r) - exact)[1].norm() / exact[1].norm() for r in RECIPES}
+    assert err["rowwise"] < err["tensorwise"] / 2
+
+
+def test_fake_quantize_lands_on_the_float8_grid():
+    t = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)) * 3
+    for dtype in (float8.E4M3, float8.E5M2):
+        q = float8.fake_quantize(t, dtype)
+        scale = torch.finfo(dtype).max / t.abs().amax().double()
+        scaled = (q.double() * scale).float()
+        assert torch.equal(scaled.to(dtype).float(), scaled), "not representable in the float8 type"
+        assert scaled.abs().max() == torch.finfo(dtype).max  # the amax maps to the type's largest value
+    q = float8.fake_quantize(t, float8.E4M3, -1, pow2=True)
+    for row, qrow in zip(t, q):  # per row; a power-of-two scale is exact, so q * scale is on the grid
+        s = torch.exp2(torch.floor(torch.log2(torch.finfo(float8.E4M3).max / row.abs().amax())))
+        assert torch.equal((qrow * s).to(float8.E4M3).float(), qrow * s)
+        assert (qrow * s).abs().max() <= torch.finfo(float8.E4M3).max
+    assert float8.fake_quantize(torch.zeros(4), float8.E4M3).eq(0).all()  # amax 0: the 1e-12 floor, no nan
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_transforms_see_the_reference(recipe):
+    """Under ``grad``/``vmap``/``jvp`` the reference runs: the gradient equals torchao's autograd gradient, a
+    vmap equals a loop of single examples, and the tangent is the straight-through one (casts as identity)."""
+    x, w, gy = _inputs(torch.float32)
+    gx_ao, gw_ao = torch.autograd.grad(float8.linear(x.requires_grad_(), w.requires_grad_(), recipe=recipe), (x, w), gy)
+    x, w = x.detach(), w.detach()
+    gx, gw = grad(lambda x, w: (float8.linear(x, w, recipe=recipe) * gy).sum(), argnums=(0, 1))(x, w)
+    assert torch.equal(gx, gx_ao) and torch.equal(gw, gw_ao)
+    per_example = vmap(lambda xi: float8.linear(xi, w, recipe=recipe))(x)
+    assert torch.equal(per_example, torch.stack([float8.reference(xi, w, recipe=recipe) for xi in x]))
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+    axis = -1 if recipe == "rowwise" else None
+    fq = lambda t: float8.fake_quantize(t, float8.E4M3, axis, pow2=recipe == "rowwise")  # noqa: E731
+    _, tangent = jvp(lambda x, w: float8.linear(x, w, recipe=recipe), (x, w), (tx, tw))
+    torch.testing.assert_close(tangent, tx @ fq(w).t() + fq(x.reshape(-1, 64)).reshape(x.shape) @ tw.t())
+
+
+def test_compiled_gradient_equals_eager():
+    """torchao's Function inside ``torch.compile(fullgraph=True)`` with ``torch.autograd.grad`` traced (the
+    train step's autograd path): the values and gradients of the eager call."""
+    x, w, gy = _inputs(torch.float32)
+
+    def f(x, w, gy):
+        y = float8.linear(x, w, recipe="tensorwise")
+        return (y.detach(), *torch.autograd.grad(y, (x, w), gy))
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(f, fullgraph=True)(x.requires_grad_(), w.requires_grad_(), gy)
+    for a, b in zip(compiled, f(x, w, gy)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _model(name: str, recipe: str = ""):
+    extra = {"kv_lora_rank": 12} if name == "deepseek_v3" else {}  # kv_a width 12 + 4: a multiple of 16
+    cfg = tiny_config(name, **extra)
+    return family(name).model(ft.config.with_float8(recipe)(cfg) if recipe else cfg)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_float8_gradients_equal_on_both_paths(name):
+    """A model with ``float8``: its logits move by what float8 costs, and the loss gradient on the torch.func
+    path (the reference) equals the autograd path's (torchao) to float32 rounding; the head and the
+    embeddings stay high precision (their gradients' error is of the others' size, not float8's)."""
+    model, plain = _model(name, "tensorwise"), _model(name)
+    params = plain.init(ft.random.key(0))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    loss_fn = ft.train.next_token_loss(model)
+    g_func = grad(lambda p: loss_fn(p, batch)[0])(params)
+    p_leaf = ft.tree.map(lambda t: t.detach().requires_grad_(), params)
+    leaves = ft.tree.leaves(p_leaf)
+    g_auto = torch.autograd.grad(loss_fn(p_leaf, batch)[0], leaves, allow_unused=True)
+    for a, b in zip(ft.tree.leaves(g_func), g_auto):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-5, atol=1e-6)
+    out, ref = model.apply(params, batch["inputs"]), plain.apply(params, batch["inputs"])
+    out, ref = (o[0] if isinstance(o, tuple) else o for o in (out, ref))
+    assert 1e-4 < _rel(out, ref) < 0.3
+
+
+def test_float8_step_trains_like_fp32():
+    """Ten AdamW steps of a tiny llama with float8 (autograd path, torchao emulated): the loss falls as the
+    fp32 run's does, within 2% of it at every step."""
+    def losses(recipe: str) -> list[float]:
+        model = _model("llama", recipe)
+        opt = ft.optim.adamw(3e-3)
+        step = ft.train.make_train_step(ft.train.next_token_loss(model), opt,
+                                        grad_impl=ft.train.runtime.gradient_path(float8=recipe))  # fmt: skip
+        state = ft.train.init_state(model.init(ft.random.key(0)), opt)
+        tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        out = []
+        for _ in range(10):
+            state, metrics = step(state, batch)
+            out.append(float(metrics["loss"]))
+        return out
+
+    fp32, f8 = losses(""), losses("rowwise")
+    assert f8[-1] < f8[0] - 0.3
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(f8, fp32)), (f8, fp32)
+
+
+def test_float8_picks_the_autograd_path():
+    assert ft.train.runtime.gradient_path(float8="tensorwise") == "autograd"
+    assert ft.train.runtime.gradient_path(float8="") == "func"
+    assert ft.train.runtime.step_options(_model("llama", "rowwise").config)["float8"] == "rowwise"
+
+
+def test_config_errors_name_the_field_and_the_fix():
+    from ftitan.models import llama
+
+    base = llama.Config.debug()
+    with pytest.raises(ValueError, match=r"llama\.Config\.float8='fp8'.*tensorwise"):
+        attrs.evolve(base, float8="fp8")
+    with pytest.raises(ValueError, match=r"batch_invariant.*float8=''"):
+        attrs.evolve(base, float8="rowwise", attn_impl="batch_invariant")
+    with pytest.raises(ValueError, match=r"multiple of 16.*'ffn_dim': 776"):
+        attrs.evolve(base, float8="rowwise", ffn_dim=776)
+    with pytest.raises(ValueError, match=r"--float8='rowwise'.*muse_glimmer.*drop --float8"):
+        ft.config.with_float8("rowwise")(tiny_config("muse_glimmer"))
+    with pytest.raises(ValueError, match=r"--float8='e4m3'"):
+        ft.config.with_float8("e4m3")
+
+
+def test_train_config_float8_flag(monkeypatch):
+    """``--float8`` sets the model config's field; a family without one, or a parallel layout, is refused
+    naming ``--float8``."""
+    from ftitan.models import muse_glimmer
+
+    base = ft.config.get_recipe("llama3-debug")
+    cfg = ft.config.validate(attrs.evolve(base, float8="tensorwise"))
+    assert cfg.model.float8 == "tensorwise"
+    glimmer = muse_glimmer.Config.debug()
+    with pytest.raises(ValueError, match=r"--float8='rowwise'.*drop --float8"):
+        ft.config.validate(attrs.evolve(base, float8="rowwise", model=glimmer))
+    with pytest.raises(ValueError, match=r"--float8='fp8'"):
+        ft.config.validate(attrs.evolve(base, float8="fp8"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"--float8.*one process"):
+        ft.config.validate(attrs.evolve(base, float8="rowwise", parallel=attrs.evolve(base.parallel, dp_shard=2)))
+
+
+def test_ftitan_train_float8(capsys, tmp_path):
+    """``ftitan train --float8 rowwise`` trains (torchao emulated, the autograd path) and writes its metrics;
+    ``--float8 fp8`` is one error line naming the flag and the recipes."""
+    import json
+
+    from ftitan.__main__ import main
+    from tests.test_cli_errors import TINY, one_error_line
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(200)))
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--data.corpus", str(corpus), "--run-dir", str(run), "--float8", "rowwise"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in r for r in records)
+    capsys.readouterr()
+    rc = main(["train", *TINY, "--data.corpus", str(corpus), "--run-dir", str(tmp_path / "bad"), "--float8", "fp8"])
+    line = one_error_line(capsys, rc)
+    assert "--float8='fp8'" in line and "'tensorwise'" in line
+
+
+def test_a_gpu_older_than_sm89_is_refused_naming_the_flag(monkeypatch):
+    """On CUDA the float8 GEMMs need compute capability 8.9+: an A100 (8.0) is one clear error, up front."""
+    from ftitan.train import runtime
+
+    monkeypatch.setattr(runtime, "resolve_device", lambda *a, **k: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "resolve_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    base = ft.config.get_recipe("llama3-debug")
+    with pytest.raises(ValueError, match=r"--float8='tensorwise'.*8\.9.*\(8, 0\).*drop --float8"):
+        ft.config.validate(attrs.evolve(base, float8="tensorwise"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100/H200 passes this rule
+    try:
+        ft.config.validate(attrs.evolve(base, float8="tensorwise"))
+    except ValueError as e:
+        assert "--float8" not in str(e)
