@@ -143,7 +143,7 @@ class Config:
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
-    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (ftitan.nn.float8)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
     n_mtp_layers: int = 0  # D: multi-token-prediction modules (HF num_nextn_predict_layers; V3 ships 1)
@@ -174,12 +174,13 @@ class Config:
                 build()
             except ValueError as e:
                 raise ValueError(f"deepseek_v3.Config: {e}") from None
-        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-        nn.float8.check_config(self, "deepseek_v3", {
-            "dim": self.dim, "ffn_dim": self.ffn_dim, "q": self.n_heads * qk, "q_lora_rank": self.q_lora_rank or 16,
-            "kv_a": self.kv_lora_rank + self.qk_rope_head_dim,
-            "kv_b": self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), "o": self.n_heads * self.v_head_dim,
-        })  # fmt: skip
+        widths = {"dim": self.dim, "ffn_dim": self.ffn_dim,
+                  "q": self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim),
+                  "kv_a": self.kv_lora_rank + self.qk_rope_head_dim,
+                  "kv_b": self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), "o": self.n_heads * self.v_head_dim}
+        if self.q_lora_rank is not None:
+            widths["q_lora_rank"] = self.q_lora_rank
+        nn.float8.check_config(self, "deepseek_v3", widths)  # fmt: skip
 
     @property
     def mla(self) -> mla_.MLAConfig:

@@ -75,7 +75,7 @@ class Config:
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
-    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (ftitan.nn.float8)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 

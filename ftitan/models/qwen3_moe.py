@@ -106,7 +106,7 @@ class Config:
     # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
-    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (ftitan.nn.float8)
+    float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
@@ -126,8 +126,8 @@ class Config:
             )
         if len(self.dense_layers) == self.n_layers:
             raise ValueError("qwen3_moe.Config: every layer is in dense_layers; use ftitan.models.qwen3 instead")
-        nn.float8.check_config(self, "qwen3_moe", {"dim": self.dim, "ffn_dim": self.ffn_dim, "q": self.n_heads * self.head_dim,
-                                            "kv": self.n_kv_heads * self.head_dim})
+        heads = {"q": self.n_heads * self.head_dim, "kv": self.n_kv_heads * self.head_dim}
+        nn.float8.check_config(self, "qwen3_moe", {"dim": self.dim, "ffn_dim": self.ffn_dim, **heads})
 
     @property
     def moe(self) -> MoEConfig:

@@ -40,14 +40,17 @@ _EPS = 1e-12  # the smallest amax a scale is computed from (torchao's)
 
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
-    """Per GEMM operand: fp8 dtype and reduction axis of its scale (None: one scale per tensor)."""
+    """What a recipe chooses for the operands of a linear layer's three GEMMs."""
 
     grad_dtype: torch.dtype  # the output gradient's (inputs and weights: e4m3)
     axiswise: bool  # one scale per row along each GEMM's reduction axis, else one per tensor
     pow2: bool  # scales rounded down to a power of two
 
 
-_RECIPES = {"tensorwise": _Recipe(E5M2, axiswise=False, pow2=False), "rowwise": _Recipe(E4M3, axiswise=True, pow2=True)}
+_RECIPES = {
+    "tensorwise": _Recipe(E5M2, axiswise=False, pow2=False),
+    "rowwise": _Recipe(E4M3, axiswise=True, pow2=True),
+}
 
 
 def check_recipe(value: Any, owner: str) -> None:
@@ -57,7 +60,8 @@ def check_recipe(value: Any, owner: str) -> None:
                          "'tensorwise' one scale per tensor, 'rowwise' one per row) or '' for none")  # fmt: skip
 
 
-def fake_quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, *, pow2: bool = False) -> torch.Tensor:
+def fake_quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, *,
+                  pow2: bool = False) -> torch.Tensor:  # fmt: skip
     """``t`` cast to the float8 ``dtype`` with a dynamic scale and back, in float32: the value a float8
     GEMM multiplies. ``dim``: the scale is per slice along ``dim`` (the amax reduced over it), else one for
     the whole tensor; ``pow2``: scales rounded down to a power of two."""
@@ -194,5 +198,5 @@ def check_config(cfg: Any, family: str, widths: dict[str, int]) -> None:
                          "use float8=''")  # fmt: skip
     bad = {k: v for k, v in widths.items() if v % 16}
     if bad:
-        raise ValueError(f"{family}.Config: float8={cfg.float8!r} needs every projection width to be a multiple of 16 "
-                         f"(float8 GEMMs, torch._scaled_mm); not: {bad}")  # fmt: skip
+        raise ValueError(f"{family}.Config: float8={cfg.float8!r} needs every projection width to be a multiple "
+                         f"of 16 (float8 GEMMs, torch._scaled_mm); not: {bad}")  # fmt: skip

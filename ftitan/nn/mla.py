@@ -193,7 +193,8 @@ def mla(
                    invariant=inv, kernels=kern, float8=f8)  # fmt: skip
     q_nope, q_rope = q.view(b, t, -1, dn + dr).split((dn, dr), dim=-1)  # (B, T, H, Dn), (B, T, H, Dr)
     h = q_nope.shape[2]
-    latent, k_rope = linear(x, p["wkv_a"], invariant=inv, kernels=kern, float8=f8).split((rkv, dr), dim=-1)  # (B,T,Rkv), (B,T,Dr)
+    latent, k_rope = linear(x, p["wkv_a"], invariant=inv, kernels=kern, float8=f8).split((rkv, dr), dim=-1)
+    # latent (B, T, Rkv), k_rope (B, T, Dr)
     latent = rms_norm(latent, p["kv_norm"], cfg.latent_norm_eps, invariant=inv, kernels=kern)
     q_rope = _rope(q_rope, cos, sin, cfg.rope_interleave, cfg.kernels)
     k_rope = _rope(k_rope.unsqueeze(2), cos, sin, cfg.rope_interleave, cfg.kernels)  # (B, T, 1, Dr): one key for all heads

@@ -278,7 +278,8 @@ def step_options(model_cfg: Any) -> dict[str, str]:
     """What :meth:`Runtime.make_step` reads from a model config: its ``remat``, ``kernels``, ``attn_impl`` and
     ``float8`` (which pick the autograd gradient path; configs without a field get the default)."""
     return {"remat": getattr(model_cfg, "remat", "none"), "kernels": getattr(model_cfg, "kernels", "torch"),
-            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa"), "float8": getattr(model_cfg, "float8", "")}  # fmt: skip
+            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa"),
+            "float8": getattr(model_cfg, "float8", "")}  # fmt: skip
 
 
 def _with_budget(step: Callable, policy: str) -> Callable:
