@@ -137,6 +137,24 @@ def test_family_float8_gradients_equal_on_both_paths(name):
     assert 1e-4 < _rel(out, ref) < 0.3
 
 
+def test_per_example_gradients_of_a_float8_model_equal_a_loop():
+    """``vmap(grad(loss))`` over a batch of a float8 llama equals ``grad`` of each example alone (its scales are
+    then each example's own, as a vmap of one example's function means)."""
+    model = _model("llama", "rowwise")
+    params = model.init(ft.random.key(0))
+    loss_fn = ft.train.next_token_loss(model)
+    tokens = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(2))
+
+    def loss(p, row):
+        return loss_fn(p, {"inputs": row[None, :-1], "targets": row[None, 1:]})[0]
+
+    batched = vmap(grad(loss), in_dims=(None, 0))(params, tokens)
+    for i in range(3):
+        one = grad(loss)(params, tokens[i])
+        for a, b in zip(ft.tree.leaves(batched), ft.tree.leaves(one)):
+            torch.testing.assert_close(a[i], b, rtol=1e-5, atol=1e-6)
+
+
 def test_float8_step_trains_like_fp32():
     """Ten AdamW steps of a tiny llama with float8 (autograd path, torchao emulated): the loss falls as the
     fp32 run's does, within 2% of it at every step."""
