@@ -136,38 +136,16 @@ def gemm_peak_flops(
     warmup: int = 2,
     device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
-    """Achieved FLOP/s of an ``n x n @ n x n`` matmul (``2 n^3`` FLOPs).
-
-    The median over ``repeats`` timed calls (after ``warmup``), with the
-    current torch thread count. Intended as the MFU denominator on a machine
-    without a published peak. Returns ``{"n", "dtype", "threads",
-    "repeats", "median_s", "flops_per_s"}``; ``flops_per_s`` is the figure
-    to divide by.
-    """
-    if n < 1 or repeats < 1:
-        raise ValueError("n and repeats must be >= 1")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
-    for _ in range(warmup):
-        torch.mm(a, b, out=out)
-    _sync()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        _sync()
-        ts.append(time.perf_counter() - t0)
-    med = statistics.median(ts)
-    return {
-        "n": n,
-        "dtype": str(dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "median_s": med,
-        "flops_per_s": 2.0 * n**3 / med,
-    }
+    """Achieved FLOP/s of an ``n x n @ n x n`` matmul (``2 n^3`` FLOPs), measured once rather than beside
+    steps: a :class:`GemmProbe` called ``warmup`` untimed and ``repeats`` timed times, with the current
+    torch thread count, the faster library's figure (:meth:`GemmProbe.result`'s keys; ``flops_per_s`` is
+    the figure to divide by). For an MFU denominator on a machine without a published peak."""
+    if n < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(f"gemm_peak_flops: n={n} and repeats={repeats} must be >= 1, warmup={warmup} >= 0")
+    probe = GemmProbe(n, dtype, device=device)
+    for _ in range(warmup + repeats):
+        probe()
+    return probe.result(skip=warmup)
 
 
 class GemmProbe:
@@ -180,7 +158,7 @@ class GemmProbe:
     its linear layers on); the peak is the faster one's, so a step that uses either is divided by the best
     GEMM the machine gave in the same round.
 
-    :meth:`result` has :func:`gemm_peak_flops`'s keys: ``flops_per_s`` is ``2 n^3`` over the median of
+    :meth:`result` (also :func:`gemm_peak_flops`'s): ``flops_per_s`` is ``2 n^3`` over the median of
     the per-call best times (``rounds``: how many calls were timed), of the faster library;
     ``by_library`` holds each library's.
     """
