@@ -14,9 +14,11 @@ each of the three GEMMs of a linear layer (forward ``x @ w.T``, input gradient `
   torchao's emulation (the same casts, float32 GEMMs of the dequantized operands). Its derivative is an
   autograd Function without ``torch.func`` rules, so a train step differentiates it on the autograd path
   (``train.runtime.gradient_path``; ``ftitan train`` does). Under ``torch.func`` transforms and forward AD
-  ftitan's own implementation of the recipe runs (:func:`reference`: the same quantization written out,
-  an autograd Function with ``setup_context``, a generated vmap rule and a forward-AD rule), so
-  ``grad``/``vmap``/``jvp`` work on an FP8 model; the tests hold the two to each other.
+  ftitan's own implementation of the recipe runs in plain ops (:func:`reference`: torchao's forward bit
+  for bit, the casts differentiated as the identity), so ``grad``/``vmap``/``jvp`` and their compiled
+  forms work on an FP8 model. Its gradients differ from torchao's by one thing: torchao's backward also
+  casts the output gradient to float8 (per tensor or per row), which plain ops cannot do to a cotangent;
+  ``train.runtime.gradient_path`` therefore sends a float8 train step down the autograd path.
 - **Scale.** ``scale = finfo(fp8).max / max(amax, 1e-12)`` (in float64, then float32), ``data =
   clamp(t * scale) -> fp8``; a GEMM multiplies ``data / scale`` of its operands. The amax is of this
   process's tensor: FP8 runs one process for now (validation refuses a parallel layout).
@@ -40,17 +42,14 @@ _EPS = 1e-12  # the smallest amax a scale is computed from (torchao's)
 
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
-    """What a recipe chooses for the operands of a linear layer's three GEMMs."""
+    """What a recipe chooses for the forward's operands (the backward's are torchao's business; the output
+    gradient's type, e5m2 for tensorwise and e4m3 for rowwise, is torchao's too)."""
 
-    grad_dtype: torch.dtype  # the output gradient's (inputs and weights: e4m3)
     axiswise: bool  # one scale per row along each GEMM's reduction axis, else one per tensor
     pow2: bool  # scales rounded down to a power of two
 
 
-_RECIPES = {
-    "tensorwise": _Recipe(E5M2, axiswise=False, pow2=False),
-    "rowwise": _Recipe(E4M3, axiswise=True, pow2=True),
-}
+_RECIPES = {"tensorwise": _Recipe(axiswise=False, pow2=False), "rowwise": _Recipe(axiswise=True, pow2=True)}
 
 
 def check_recipe(value: Any, owner: str) -> None:
@@ -79,54 +78,20 @@ def _axis(r: _Recipe, dim: int) -> int | None:
     return dim if r.axiswise else None
 
 
-class _Float8Linear(torch.autograd.Function):
-    """``x2 @ w.T`` (x2: (N, in), w: (out, in)) with the recipe's float8 operands in all three GEMMs."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x2: torch.Tensor, w: torch.Tensor, recipe: str) -> torch.Tensor:
-        r = _RECIPES[recipe]
-        xq = fake_quantize(x2, E4M3, _axis(r, -1), pow2=r.pow2)
-        wq = fake_quantize(w, E4M3, _axis(r, -1), pow2=r.pow2)
-        return (xq @ wq.t()).to(x2.dtype)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-        x2, w, recipe = inputs
-        ctx.save_for_backward(x2, w)
-        ctx.save_for_forward(x2, w)
-        ctx.recipe = recipe
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x2, w = ctx.saved_tensors
-        r = _RECIPES[ctx.recipe]
-        gx = gw = None
-        if ctx.needs_input_grad[0]:  # g @ w: g's scale per row, w's per input column
-            gq = fake_quantize(g, r.grad_dtype, _axis(r, -1), pow2=r.pow2)
-            gx = (gq @ fake_quantize(w, E4M3, _axis(r, 0), pow2=r.pow2)).to(x2.dtype)
-        if ctx.needs_input_grad[1]:  # g.T @ x2: both scaled per column (the reduction runs over tokens)
-            gq = fake_quantize(g, r.grad_dtype, _axis(r, 0), pow2=r.pow2)
-            gw = (gq.t() @ fake_quantize(x2, E4M3, _axis(r, 0), pow2=r.pow2)).to(w.dtype)
-        return gx, gw, None
-
-    @staticmethod
-    def jvp(ctx: Any, tx: torch.Tensor | None, tw: torch.Tensor | None, _: Any) -> torch.Tensor:
-        # the casts' derivative taken as the identity (as the backward passes gradients straight through)
-        x2, w = ctx.saved_tensors
-        r = _RECIPES[ctx.recipe]
-        out = torch.zeros(x2.shape[0], w.shape[0], dtype=x2.dtype, device=x2.device)
-        if tx is not None:
-            out = out + (tx.to(torch.float32) @ fake_quantize(w, E4M3, _axis(r, -1), pow2=r.pow2).t()).to(x2.dtype)
-        if tw is not None:
-            out = out + (fake_quantize(x2, E4M3, _axis(r, -1), pow2=r.pow2) @ tw.to(torch.float32).t()).to(x2.dtype)
-        return out
+def _straight_through(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``q``'s value (exactly: ``t - t`` is 0) with ``t``'s derivative: the cast taken as the identity."""
+    return q.detach() + (t - t.detach()).to(q.dtype)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, recipe: str) -> torch.Tensor:
-    """ftitan's own implementation of the ``recipe``'s linear (plain ops; works under ``torch.func``)."""
-    y = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w, recipe).reshape(*x.shape[:-1], w.shape[0])
+    """ftitan's own implementation of the ``recipe``'s linear in plain ops (the path under ``torch.func``):
+    torchao's forward bit for bit; its derivative passes through the casts (straight-through), so the
+    backward GEMMs take the high-precision output gradient with the float8 values of ``x`` and ``w``
+    (torchao's backward also casts that gradient to float8: a cotangent cannot be cast by plain ops)."""
+    r = _RECIPES[recipe]
+    xq = _straight_through(x, fake_quantize(x, E4M3, _axis(r, -1), pow2=r.pow2))
+    wq = _straight_through(w, fake_quantize(w, E4M3, _axis(r, -1), pow2=r.pow2))
+    y = (xq.reshape(-1, x.shape[-1]) @ wq.t()).reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
     return y if b is None else y + b
 
 

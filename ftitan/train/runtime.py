@@ -166,7 +166,8 @@ class Runtime:
         model config's policy (``ftitan.train.remat``): with it, or regional, gradients come from the
         autograd path (saved-tensor hooks and compiled regions are refused under torch.func), the same gradients.
         So they do for the model config's ``kernels`` other than "torch" (``ftitan.kernels`` step aside for their
-        references under torch.func), ``float8`` (torchao's recipe runs where torch.func does not) and
+        references under torch.func), ``float8`` (torchao's recipe, gradient casts included, runs where
+        torch.func does not) and
         ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
         region = regional.backend_of(compile)
         if self.layout is None:
@@ -267,9 +268,10 @@ class Runtime:
 def gradient_path(*, compile: bool | str = False, remat: str = "none", kernels: str = "torch",
                   attn_impl: str = "sdpa", float8: str = "") -> str:  # fmt: skip
     """``make_train_step``'s ``grad_impl`` for a one-process step: "autograd" where regional compile,
-    rematerialization, ``ftitan.kernels`` (they step aside under torch.func), float8 (torchao's GEMMs, the
-    same likewise) or FlexAttention ("flex", "auto": no torch.func rules) need it, else "func". The same
-    gradients either way."""
+    rematerialization, ``ftitan.kernels`` (they step aside under torch.func), float8 (torchao's recipe; under
+    torch.func a straight-through reference whose backward does not cast the output gradient to float8) or
+    FlexAttention ("flex", "auto": no torch.func rules) need it, else "func". The same gradients either
+    way, but for float8's gradient cast."""
     autograd = regional.backend_of(compile) is not None or remat != "none" or kernels != "torch" or bool(float8)
     return "autograd" if autograd or attn_impl in ("flex", "auto") else "func"
 
