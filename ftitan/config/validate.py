@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from ftitan.config.schema import TrainConfig
-from ftitan.config.transforms import model_error
+from ftitan.config.transforms import model_error, with_float8
 from ftitan.kernels.op import KERNELS
 
 __all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
@@ -196,8 +196,6 @@ def _check_compile_and_remat(cfg: TrainConfig) -> None:
                     "references and oneDNN GEMMs on the CPU), or '' for the model's --model.kernels")  # fmt: skip
     check_policy(getattr(cfg.model, "remat", "none"), field="--model.remat")
     if cfg.float8:
-        from ftitan.config.transforms import with_float8
-
         try:
             with_float8(cfg.float8)(cfg.model)
         except ValueError as e:
