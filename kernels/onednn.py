@@ -73,8 +73,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, *, dtype: torch.dtype | None = None
     the one the GEMM runs in when the caller casts ``x`` and ``w`` to it first (default theirs)."""
     if not (available() and op.no_transform()):
         return False
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, w))
-    if not (plain and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1]):
+    if not (op.plain(x, w) and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1]):
         return False
     if not all(t.device.type == "cpu" and (dtype or t.dtype) == torch.float32 for t in (x, w)):
         return False

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as forward_ad
 
-__all__ = ["KERNELS", "LIBRARY", "check_kernels", "define", "interpret", "interpreting", "no_transform", "use_kernel"]
+__all__ = ["KERNELS", "LIBRARY", "check_kernels", "define", "interpret", "interpreting", "no_transform", "plain",
+           "use_kernel"]
 
 KERNELS = ("torch", "triton", "helion")  # a model config's `kernels`; "helion": Helion kernels where ftitan has one
 # (RMSNorm), Triton otherwise; both: the linear layers' float32 GEMMs in oneDNN on the CPU (ftitan.kernels.onednn)
@@ -95,6 +96,12 @@ def no_transform() -> bool:
     """True when no ``torch.func`` transform and no forward-AD level is active: where an op whose
     derivative is an autograd Function may run instead of its reference."""
     return forward_ad._current_level < 0 and not torch._C._are_functorch_transforms_active()
+
+
+def plain(*tensors: torch.Tensor) -> bool:
+    """True when every one of ``tensors`` is a plain tensor (or Parameter), not a DTensor or another subclass:
+    what an opaque op or a library Function (oneDNN's GEMM, torchao's float8 linear) is given."""
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 def use_kernel(*tensors: torch.Tensor) -> bool:

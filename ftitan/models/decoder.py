@@ -90,6 +90,13 @@ def check_positive_int(cfg: Any, family: str, name: str) -> None:
         raise ValueError(f"{family}.Config.{name}={value!r}: must be a positive int")
 
 
+def check_float8(cfg: Any, family: str) -> None:
+    """``nn.float8.check_config`` for a GQA decoder with a SwiGLU MLP (llama, qwen3, qwen3_moe): its widths
+    are ``dim``, ``ffn_dim`` and the q / kv projections'."""
+    nn.float8.check_config(cfg, family, {"dim": cfg.dim, "ffn_dim": cfg.ffn_dim, "q": cfg.n_heads * cfg.head_dim,
+                                         "kv": cfg.n_kv_heads * cfg.head_dim})  # fmt: skip
+
+
 def residual_std(cfg: AttentionConfig) -> float:
     """Init std of the residual-branch outputs (wo, w2): ``init_std / sqrt(2L)``, GPT-2 style depth scaling."""
     return cfg.init_std / math.sqrt(2 * cfg.n_layers)

@@ -106,8 +106,7 @@ class Config:
             raise ValueError(
                 f"llama.Config.rope_scaling={self.rope_scaling!r}: expected None or nn.Llama3RopeScaling"
             )
-        nn.float8.check_config(self, "llama", {"dim": self.dim, "ffn_dim": self.ffn_dim,
-                                            "kv": self.n_kv_heads * self.head_dim})  # fmt: skip
+        decoder.check_float8(self, "llama")
 
     @property
     def head_dim(self) -> int:

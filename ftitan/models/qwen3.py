@@ -109,8 +109,7 @@ class Config:
     def __attrs_post_init__(self) -> None:
         check_config(self, "qwen3")
         check_positive_int(self, "qwen3", "ffn_dim")
-        heads = {"q": self.n_heads * self.head_dim, "kv": self.n_kv_heads * self.head_dim}
-        nn.float8.check_config(self, "qwen3", {"dim": self.dim, "ffn_dim": self.ffn_dim, **heads})
+        decoder.check_float8(self, "qwen3")
 
     @classmethod
     def debug(cls) -> Config:

@@ -126,8 +126,7 @@ class Config:
             )
         if len(self.dense_layers) == self.n_layers:
             raise ValueError("qwen3_moe.Config: every layer is in dense_layers; use ftitan.models.qwen3 instead")
-        heads = {"q": self.n_heads * self.head_dim, "kv": self.n_kv_heads * self.head_dim}
-        nn.float8.check_config(self, "qwen3_moe", {"dim": self.dim, "ffn_dim": self.ffn_dim, **heads})
+        decoder.check_float8(self, "qwen3_moe")
 
     @property
     def moe(self) -> MoEConfig:

@@ -140,8 +140,7 @@ def _torchao(recipe: str, emulate: bool) -> tuple[Any, Any, Any]:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, recipe: str) -> torch.Tensor:
     """``x @ w.T + b`` in float8 by ``recipe`` (see the module docstring): torchao's path where no
     ``torch.func`` transform is active (float8 GEMMs on CUDA, its emulation elsewhere), else :func:`reference`."""
-    plain = all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, w))
-    if not (op.no_transform() and plain):
+    if not (op.no_transform() and op.plain(x, w)):
         return reference(x, w, b, recipe=recipe)
     fn, mm, cfg = _torchao(recipe, not x.is_cuda)
     y = fn.apply(x, w.t(), mm, cfg)

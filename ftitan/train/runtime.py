@@ -167,8 +167,7 @@ class Runtime:
         autograd path (saved-tensor hooks and compiled regions are refused under torch.func), the same gradients.
         So they do for the model config's ``kernels`` other than "torch" (``ftitan.kernels`` step aside for their
         references under torch.func), ``float8`` (torchao's recipe, gradient casts included, runs where
-        torch.func does not) and
-        ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
+        torch.func does not) and ``attn_impl`` "flex" / "auto" (FlexAttention has no torch.func rules)."""
         region = regional.backend_of(compile)
         if self.layout is None:
             grad_impl = gradient_path(compile=compile, remat=remat, kernels=kernels, attn_impl=attn_impl,
