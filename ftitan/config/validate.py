@@ -200,9 +200,6 @@ def _check_compile_and_remat(cfg: TrainConfig) -> None:
             with_float8(cfg.float8)(cfg.model)
         except ValueError as e:
             raise (e if str(e).startswith("--float8") else ValueError(f"--float8={cfg.float8!r}: {e}")) from None
-    if getattr(cfg.model, "float8", "") and cfg.parallel.world_size > 1:
-        raise _fail("--float8", cfg.model.float8, "float8 training runs on one process for now (its scales are this "
-                    "process's amax; no sharded scales yet); drop --float8 or the --parallel.* degrees")  # fmt: skip
 
 
 def _check_runtime(cfg: TrainConfig) -> None:

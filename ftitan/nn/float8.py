@@ -20,8 +20,10 @@ each of the three GEMMs of a linear layer (forward ``x @ w.T``, input gradient `
   casts the output gradient to float8 (per tensor or per row), which plain ops cannot do to a cotangent;
   ``train.runtime.gradient_path`` therefore sends a float8 train step down the autograd path.
 - **Scale.** ``scale = finfo(fp8).max / max(amax, 1e-12)`` (in float64, then float32), ``data =
-  clamp(t * scale) -> fp8``; a GEMM multiplies ``data / scale`` of its operands. The amax is of this
-  process's tensor: FP8 runs one process for now (validation refuses a parallel layout).
+  clamp(t * scale) -> fp8``; a GEMM multiplies ``data / scale`` of its operands. The amax is of the
+  tensor this process holds: under a parallel layout its rows of the batch and (tp) its shard of a
+  weight (FSDP gathers a weight first). Rowwise scales, powers of two, give the same float8 values on
+  any rows or shard (docs/gpus-and-precision.md, "Parallel layouts").
 """
 
 from __future__ import annotations
