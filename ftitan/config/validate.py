@@ -213,6 +213,11 @@ def _check_runtime(cfg: TrainConfig) -> None:
     if recipe and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise _fail("--float8", recipe, f"float8 GEMMs need a GPU of compute capability 8.9 or newer (H100, H200, "
                     f"L4, ...); this one is {torch.cuda.get_device_capability(device)}; drop --float8")  # fmt: skip
+    if getattr(cfg.model, "float8_experts", False) and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            raise _fail("--model.float8-experts", True, "float8 grouped GEMMs (torch._scaled_grouped_mm) need a GPU of "
+                        f"compute capability 9.0 or newer (H100, H200, B200); this one is "
+                        f"{torch.cuda.get_device_capability(device)}; drop --model.float8-experts")  # fmt: skip
     from ftitan.parallel.shard import BUCKETS
 
     if cfg.flexshard.buckets not in BUCKETS:

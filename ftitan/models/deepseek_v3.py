@@ -144,6 +144,7 @@ class Config:
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
+    float8_experts: bool = False  # the routed experts' grouped GEMMs in float8 (torchao's rowwise MoE recipe)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
     n_mtp_layers: int = 0  # D: multi-token-prediction modules (HF num_nextn_predict_layers; V3 ships 1)
@@ -180,7 +181,10 @@ class Config:
                   "kv_b": self.n_heads * (self.qk_nope_head_dim + self.v_head_dim), "o": self.n_heads * self.v_head_dim}
         if self.q_lora_rank is not None:
             widths["q_lora_rank"] = self.q_lora_rank
+        if self.n_shared_experts:
+            widths["shared"] = self.n_shared_experts * self.moe_ffn_dim  # the shared experts' fused SwiGLU
         nn.float8.check_config(self, "deepseek_v3", widths)  # fmt: skip
+        nn.float8.check_experts(self, "deepseek_v3", {"dim": self.dim, "moe_ffn_dim": self.moe_ffn_dim})
 
     @property
     def mla(self) -> mla_.MLAConfig:
@@ -199,7 +203,8 @@ class Config:
             n_shared_experts=self.n_shared_experts, score_func=self.score_func, norm_topk=self.norm_topk,
             n_groups=self.n_groups, topk_groups=self.topk_groups, routed_scale=self.routed_scale, score_bias=True,
             aux_loss_coef=self.aux_loss_coef, bias_update_rate=self.bias_update_rate,
-            batch_invariant=self.attn_impl == "batch_invariant", kernels=self.kernels,
+            batch_invariant=self.attn_impl == "batch_invariant", kernels=self.kernels, float8=self.float8,
+            float8_experts=self.float8_experts,
         )  # fmt: skip
 
     @property

@@ -107,6 +107,7 @@ class Config:
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
+    float8_experts: bool = False  # the routed experts' grouped GEMMs in float8 (torchao's rowwise MoE recipe)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
@@ -127,6 +128,7 @@ class Config:
         if len(self.dense_layers) == self.n_layers:
             raise ValueError("qwen3_moe.Config: every layer is in dense_layers; use ftitan.models.qwen3 instead")
         decoder.check_float8(self, "qwen3_moe")
+        nn.float8.check_experts(self, "qwen3_moe", {"dim": self.dim, "expert_dim": self.expert_dim})
 
     @property
     def moe(self) -> MoEConfig:
@@ -134,7 +136,7 @@ class Config:
         return MoEConfig(
             n_experts=self.n_experts, top_k=self.top_k, expert_dim=self.expert_dim, score_func="softmax",
             norm_topk=self.norm_topk, aux_loss_coef=self.aux_loss_coef, batch_invariant=invariant.enabled(self),
-            kernels=self.kernels,
+            kernels=self.kernels, float8=self.float8, float8_experts=self.float8_experts,
         )  # fmt: skip
 
     @property

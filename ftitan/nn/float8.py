@@ -1,10 +1,12 @@
 """FP8 training of linear layers: torchao's float8 recipes as a pure function (``ftitan.nn.float8``).
 
 A model config with ``float8="tensorwise"`` (or ``"rowwise"``; ``ftitan.config.with_float8``,
-``ftitan train --float8 ...``) runs the projections of its blocks (attention and dense MLP; not the output
-head, the embeddings, routers or MoE experts, as torchao and TorchTitan leave them) through :func:`linear`:
+``ftitan train --float8 ...``) runs the projections of its blocks (attention, dense and shared-expert MLPs;
+not the output head, the embeddings or routers, as torchao and TorchTitan leave them) through :func:`linear`:
 each of the three GEMMs of a linear layer (forward ``x @ w.T``, input gradient ``g @ w``, weight gradient
 ``g.T @ x``) takes float8 operands with dynamic scales, accumulates in float32 and returns the input's dtype.
+A MoE config with ``float8_experts=True`` runs its routed experts' grouped GEMMs through :func:`grouped_mm`
+(torchao's rowwise MoE recipe; the section "MoE experts" below).
 
 - **Recipes** (torchao's ``Float8LinearConfig.from_recipe_name``): ``tensorwise``: one scale per tensor,
   inputs and weights in e4m3, the output gradient in e5m2. ``rowwise``: one scale per row of each GEMM
@@ -34,8 +36,10 @@ from typing import Any
 import torch
 
 from ftitan.kernels import op
+from ftitan.kernels.grouped_mm import grouped_mm as grouped_mm_
 
-__all__ = ["RECIPES", "check_config", "check_recipe", "fake_quantize", "linear", "reference"]
+__all__ = ["GROUP_ROWS", "RECIPES", "check_config", "check_experts", "check_recipe", "fake_quantize",
+           "grouped_mm", "grouped_reference", "linear", "pad_groups", "reference"]
 
 RECIPES = ("tensorwise", "rowwise")  # a model config's ``float8`` ("": off)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -67,10 +71,18 @@ def fake_quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, *
     GEMM multiplies. ``dim``: the scale is per slice along ``dim`` (the amax reduced over it), else one for
     the whole tensor; ``pow2``: scales rounded down to a power of two."""
     a = t.abs()
-    amax = a.amax() if dim is None else a.amax(dim=dim, keepdim=True)
+    return _cast(t, _scale(a.amax() if dim is None else a.amax(dim=dim, keepdim=True), dtype, pow2), dtype)
+
+
+def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """The float32 scale that maps ``amax`` to the float8 ``dtype``'s largest value (rounded down to a power
+    of two with ``pow2``)."""
     scale = (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
-    if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def _cast(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` scaled, saturated, cast to float8 and back (float32, divided by the scale again)."""
     fmax = torch.finfo(dtype).max
     data = (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype)
     return data.to(torch.float32) / scale
@@ -147,6 +159,123 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, r
     fn, mm, cfg = _torchao(recipe, not x.is_cuda)
     y = fn.apply(x, w.t(), mm, cfg)
     return y if b is None else y + b
+
+
+# ---------------------------------------------------------------- MoE experts: float8 grouped GEMMs
+# torchao's rowwise MoE recipe (torchao.prototype.moe_training): e4m3 operands, power-of-two scales along each
+# GEMM's reduction axis. On CUDA (compute capability 9.0+: torch._scaled_grouped_mm) torchao's own Function
+# runs, on each expert's rows padded to GROUP_ROWS; elsewhere _GroupedRowwise emulates it (its Triton casts
+# and the scaled grouped GEMM are CUDA-only), under torch.func grouped_reference (straight-through).
+
+GROUP_ROWS = 16  # a float8 grouped GEMM on CUDA wants every expert's row count a multiple of this
+
+
+def _rowwise(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The rowwise recipe's cast of ``t``: one power-of-two scale per slice along ``dim``, e4m3."""
+    return fake_quantize(t, E4M3, dim, pow2=True)
+
+
+def _groupwise(t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``t`` (M, C), rows sorted by group, cast with one power-of-two scale per (group, column): the amax over
+    the group's rows (rows past ``offs[-1]``, in no group, share one more scale: no GEMM reads them)."""
+    group = torch.searchsorted(offs, torch.arange(t.shape[0], device=t.device, dtype=offs.dtype), right=True)
+    a = t.abs().to(torch.float32)
+    amax = a.new_zeros(offs.shape[0] + 1, t.shape[1]).scatter_reduce(0, group[:, None].expand_as(a), a, "amax")
+    return _cast(t, _scale(amax, E4M3, pow2=True)[group], E4M3)
+
+
+class _GroupedRowwise(torch.autograd.Function):
+    """The float8 grouped GEMM of MoE experts by torchao's rowwise recipe, emulated: e4m3 operands with
+    power-of-two scales, each GEMM's along its reduction axis (forward: ``x`` per row, ``w`` per expert and
+    column; input gradient: ``g`` per row, ``w`` per expert and row; weight gradient: ``x`` and ``g`` per
+    expert and column, over that expert's rows), float32 GEMMs of the dequantized operands."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grouped_mm_(_rowwise(x, -1), _rowwise(w, -2), offs).to(x.dtype)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, w, offs = ctx.saved_tensors
+        gx = gw = None
+        if ctx.needs_input_grad[0]:
+            gx = grouped_mm_(_rowwise(g, -1), _rowwise(w, -1).transpose(-2, -1), offs).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # (K, M) @ (M, N) grouped along M: every expert's x.T @ g
+            gw = torch._grouped_mm(_groupwise(x, offs).t(), _groupwise(g, offs), offs=offs).to(w.dtype)
+        return gx, gw, None
+
+
+def grouped_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm` in plain ops (the path under ``torch.func``): the forward's casts as the recipe's,
+    differentiated as the identity (straight-through; the backward's own casts are not applied)."""
+    xq = _straight_through(x, _rowwise(x, -1))
+    wq = _straight_through(w, _rowwise(w, -2))
+    return grouped_mm_(xq, wq, offs).to(x.dtype)
+
+
+def pad_groups(x: torch.Tensor, offs: torch.Tensor, align: int = GROUP_ROWS) -> tuple[torch.Tensor, ...]:
+    """``(x_padded, offs_padded, dest)``: every group's rows moved to a start that is a multiple of ``align``,
+    zero rows between; ``x_padded[dest] == x`` for the rows of a group (rows past ``offs[-1]`` go to the last
+    row, which no group reaches). Static shapes, no host sync: ``M + E (align - 1)`` rows, rounded up, plus
+    that one."""
+    m, e = x.shape[0], offs.shape[0]
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    rows = torch.arange(m, device=x.device, dtype=offs.dtype)
+    group = torch.searchsorted(offs, rows, right=True).clamp(max=e - 1)
+    size = -(-(m + e * (align - 1)) // align) * align
+    dest = torch.where(rows < offs[-1], ends[group] - padded[group] + rows - (offs[group] - counts[group]), size)
+    x_padded = x.new_zeros(size + 1, x.shape[1]).index_copy(0, dest.long(), x)
+    return x_padded, ends.to(torch.int32), dest.long()
+
+
+_TORCHAO_GROUPED: list[Any] = []  # torchao's float8 grouped GEMM, imported where CUDA is (check_experts)
+
+
+def _torchao_grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torchao's float8 grouped GEMM (``torch._scaled_grouped_mm``: CUDA, compute capability 9.0+) on the
+    groups padded to :data:`GROUP_ROWS` rows; rows past ``offs[-1]`` come back zero."""
+    x_padded, offs_padded, dest = pad_groups(x.contiguous(), offs)
+    y = _TORCHAO_GROUPED[0](x_padded, w, offs_padded, out_dtype=torch.bfloat16,
+                            pad_token_groups_for_grouped_mm=False)  # fmt: skip
+    return torch.where((dest < x_padded.shape[0] - 1)[:, None], y[dest], 0).to(x.dtype)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``ftitan.kernels.grouped_mm`` (MoE experts: ``x`` (M, K) rows sorted by expert, ``w`` (E, K, N), ``offs``
+    (E,) int32 row ends) with float8 operands by torchao's rowwise MoE recipe (:class:`_GroupedRowwise`):
+    torchao's ``_scaled_grouped_mm`` path on CUDA, its emulation elsewhere, :func:`grouped_reference` under
+    ``torch.func`` transforms."""
+    if not (op.no_transform() and op.plain(x, w)):
+        return grouped_reference(x, w, offs)
+    if x.is_cuda and _TORCHAO_GROUPED:
+        return _torchao_grouped(x, w, offs)
+    return _GroupedRowwise.apply(x, w, offs)
+
+
+def check_experts(cfg: Any, family: str, widths: dict[str, int]) -> None:
+    """Validate ``float8_experts`` of a MoE model config: not batch-invariant, ``widths`` (the experts' GEMM
+    widths) multiples of 16; imports torchao's grouped GEMM where CUDA is (outside compiled code)."""
+    if not cfg.float8_experts:
+        return
+    if cfg.attn_impl == "batch_invariant":
+        raise ValueError(f"{family}.Config: float8_experts with attn_impl='batch_invariant': an expert's float8 "
+                         "scales are taken over its rows, which depend on the batch; "
+                         "use float8_experts=False")  # fmt: skip
+    bad = {k: v for k, v in widths.items() if v % 16}
+    if bad:
+        raise ValueError(f"{family}.Config: float8_experts needs the experts' widths to be multiples of 16 "
+                         f"(float8 grouped GEMMs); not: {bad}")  # fmt: skip
+    if torch.cuda.is_available() and not _TORCHAO_GROUPED:
+        _import_torchao()
+        from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
+
+        _TORCHAO_GROUPED.append(_to_fp8_rowwise_then_scaled_grouped_mm)
 
 
 def check_config(cfg: Any, family: str, widths: dict[str, int]) -> None:

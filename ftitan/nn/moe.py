@@ -47,6 +47,7 @@ import torch
 
 from ftitan.kernels import permute
 from ftitan.kernels.grouped_mm import grouped_mm
+from ftitan.nn import float8 as float8_
 from ftitan.nn import invariant as invariant_
 from ftitan.nn.linear import linear
 from ftitan.nn.mlp import swiglu, swiglu_params
@@ -98,6 +99,8 @@ class MoEConfig:
     bias_update_rate: float = 0.001  # step of the balancing-bias update (DeepSeek-V3's gamma)
     batch_invariant: bool = False  # routing, experts and combination with batch-invariant reductions (nn.invariant)
     kernels: str = "torch"  # "triton": dispatch/combine by ftitan.kernels.permute (Triton on CUDA, its reference elsewhere)
+    float8: str = ""  # the model's float8 recipe (nn.float8): the shared experts' projections, like a dense MLP's
+    float8_experts: bool = False  # the routed experts' grouped GEMMs in float8 (nn.float8.grouped_mm, rowwise)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k > self.n_experts:
@@ -220,9 +223,13 @@ def experts_forward(
     w1: torch.Tensor,  # (E, F, D) gate
     w2: torch.Tensor,  # (E, D, F) down
     w3: torch.Tensor,  # (E, F, D) up
+    *,
+    float8: bool = False,
 ) -> torch.Tensor:  # (M, D)
-    """Each expert's SwiGLU on its own row block, as three grouped matmuls."""
-    return _swiglu_experts(x, offs, w1, w2, w3, mm=grouped_mm, sigmoid=torch.sigmoid)
+    """Each expert's SwiGLU on its own row block, as three grouped matmuls (``float8``: float8 grouped GEMMs,
+    ``nn.float8.grouped_mm``)."""
+    mm = float8_.grouped_mm if float8 else grouped_mm
+    return _swiglu_experts(x, offs, w1, w2, w3, mm=mm, sigmoid=torch.sigmoid)
 
 
 def _swiglu_experts(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, *,
@@ -238,13 +245,15 @@ def experts_forward_invariant(
     w1: torch.Tensor,  # (E, F, D) gate
     w2: torch.Tensor,  # (E, D, F) down
     w3: torch.Tensor,  # (E, F, D) up
+    *,
+    float8: bool = False,  # refused with batch invariance by the model configs
 ) -> torch.Tensor:  # (M, D)
     """:func:`experts_forward` with each row's GEMMs independent of how many rows its expert got
     (``nn.invariant.grouped_mm``: fixed-shape row tiles): the batch-invariant mode's experts."""
     return _swiglu_experts(x, offs, w1, w2, w3, mm=invariant_.grouped_mm, sigmoid=invariant_.sigmoid)
 
 
-# (x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3) -> (M, D): the experts seam of moe()
+# (x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3, *, float8) -> (M, D): the experts seam of moe()
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -295,9 +304,10 @@ def moe(
     routing = route(x2, p, cfg)
     d = dispatch(x2, routing, cfg.n_experts, kernels=cfg.kernels)
     ex = p["experts"]
-    out = combine(experts_fn(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"]), d, routing, invariant=inv)
+    y = experts_fn(d.x, d.offs, ex["w1"], ex["w2"], ex["w3"], float8=cfg.float8_experts)
+    out = combine(y, d, routing, invariant=inv)
     if cfg.n_shared_experts:
-        out = out + swiglu(x2, **p["shared"], invariant=inv, kernels=cfg.kernels)
+        out = out + swiglu(x2, **p["shared"], invariant=inv, kernels=cfg.kernels, float8=cfg.float8)
     n = torch.tensor(float(x2.shape[0]), device=x.device)
     return out.view(shape), MoEStats(d.counts, routing.probs.sum(0), n)
 

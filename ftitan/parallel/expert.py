@@ -119,6 +119,8 @@ def experts_forward(
     w1: torch.Tensor,  # (E_local, F, D) gate; E_local = E / ep under expert parallelism
     w2: torch.Tensor,  # (E_local, D, F) down
     w3: torch.Tensor,  # (E_local, F, D) up
+    *,
+    float8: bool = False,  # the experts' GEMMs in float8 (nn.float8.grouped_mm)
 ) -> torch.Tensor:  # (M, D), rows in x's order
     """``nn.moe.experts_forward``, with the rows sent to the ep rank that holds their expert and back.
 
@@ -130,7 +132,7 @@ def experts_forward(
     group = None if layout is None else layout.group("ep")
     n_experts, n_local = offs.shape[0], w1.shape[0]
     if group is None or n_local == n_experts:
-        return moe_.experts_forward(x, offs, w1, w2, w3)
+        return moe_.experts_forward(x, offs, w1, w2, w3, float8=float8)
     _check_split(n_experts, n_local, group.size())
     if torch.compiler.is_compiling():
         raise NotImplementedError(
@@ -138,7 +140,7 @@ def experts_forward(
             "routing (a host sync), so the step cannot be compiled with fullgraph=True; use the default 'padded' "
             "exchange (parallel.expert.exchange('padded')) or run the step eagerly (make_train_step(compile=False))"
         )
-    return _experts_over_ep(x, offs, w1, w2, w3, group)
+    return _experts_over_ep(x, offs, w1, w2, w3, group, float8)
 
 
 def _check_split(n_experts: int, n_local: int, ep: int) -> None:
@@ -162,12 +164,13 @@ def _exchange_counts(offs: torch.Tensor, group: Any) -> tuple[torch.Tensor, list
 
 
 def _experts_over_ep(
-    x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, group: Any
+    x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, group: Any,
+    float8: bool,
 ) -> torch.Tensor:  # (M, D)
     recv, send_splits, recv_splits = _exchange_counts(offs, group)
     xs = C.all_to_all(x, group, out_splits=recv_splits, in_splits=send_splits)  # (M_recv, D): by source, expert
     order, offs_local = regroup_by_expert(recv)
-    y = _local_experts(xs[order], offs_local, w1, w2, w3)
+    y = _local_experts(xs[order], offs_local, w1, w2, w3, float8)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return C.all_to_all(y[inverse], group, out_splits=send_splits, in_splits=recv_splits)
 
@@ -183,15 +186,15 @@ def regroup_by_expert(recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: 
 
 
 def _local_experts(
-    x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+    x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, float8: bool = False
 ) -> torch.Tensor:  # (M, D)
     if x.shape[0]:
-        return moe_.experts_forward(x, offs, w1, w2, w3)
+        return moe_.experts_forward(x, offs, w1, w2, w3, float8=float8)
     # no rows for this rank's experts: one zero row (output and weight gradients exactly 0) keeps x and the
     # weights in the graph, so their backward collectives run on this rank as on the others; the grouped
     # GEMM's backward also refuses 0 rows
     padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return moe_.experts_forward(padded, torch.ones_like(offs), w1, w2, w3)[:0]
+    return moe_.experts_forward(padded, torch.ones_like(offs), w1, w2, w3, float8=float8)[:0]
 
 
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # ids bit-cast into the rows' dtype
@@ -209,7 +212,8 @@ def _moe_padded(
     n, d = x2.shape
     routing = moe_.route(x2, p, cfg)
     sent = _all_to_all_start(_send_buffer(x2, routing, p["experts"]["w1"].shape[0], ep), group)
-    shared = swiglu(x2, **p["shared"], invariant=cfg.batch_invariant) if cfg.n_shared_experts else None  # overlaps
+    shared = (swiglu(x2, **p["shared"], invariant=cfg.batch_invariant, kernels=cfg.kernels, float8=cfg.float8)
+              if cfg.n_shared_experts else None)  # overlaps the exchange  # fmt: skip
     recv = _wait(sent, group)  # (ep N, D + 2k): every source's tokens, weights, local expert ids
     partial = _local_routed(recv, p["experts"], cfg)  # (ep N, D): each source token's local choices
     out = _wait(_all_to_all_start(partial, group), group).view(ep, n, d).sum(0)  # the ep ranks' partial sums
@@ -245,7 +249,7 @@ def _local_routed(recv: torch.Tensor, experts: Mapping[str, torch.Tensor], cfg: 
     kernel = cfg.kernels != "torch"
     rows = (permute.dispatch if kernel else permute.dispatch_reference)(xr, perm.pos, n_rows)
     # rows past offs[-1] (padding) belong to no expert: the grouped GEMM leaves them unset, combine never reads them
-    y = moe_.experts_forward(rows, perm.offs, experts["w1"], experts["w2"], experts["w3"])
+    y = moe_.experts_forward(rows, perm.offs, experts["w1"], experts["w2"], experts["w3"], float8=cfg.float8_experts)
     return (permute.combine if kernel else permute.combine_reference)(y, perm.pos, wr)
 
 

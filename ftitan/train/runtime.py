@@ -277,10 +277,11 @@ def gradient_path(*, compile: bool | str = False, remat: str = "none", kernels: 
 
 def step_options(model_cfg: Any) -> dict[str, str]:
     """What :meth:`Runtime.make_step` reads from a model config: its ``remat``, ``kernels``, ``attn_impl`` and
-    ``float8`` (which pick the autograd gradient path; configs without a field get the default)."""
+    ``float8`` (which pick the autograd gradient path; configs without a field get the default). ``float8`` is
+    the recipe of the projections, else "rowwise" where only the MoE experts run in float8 (their recipe)."""
+    float8 = getattr(model_cfg, "float8", "") or ("rowwise" if getattr(model_cfg, "float8_experts", False) else "")
     return {"remat": getattr(model_cfg, "remat", "none"), "kernels": getattr(model_cfg, "kernels", "torch"),
-            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa"),
-            "float8": getattr(model_cfg, "float8", "")}  # fmt: skip
+            "attn_impl": getattr(model_cfg, "attn_impl", "sdpa"), "float8": float8}  # fmt: skip
 
 
 def _with_budget(step: Callable, policy: str) -> Callable:

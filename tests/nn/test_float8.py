@@ -14,6 +14,7 @@ import torch
 from torch.func import grad, jvp, vmap
 
 import ftitan as ft
+from ftitan.kernels.grouped_mm import grouped_mm as plain_grouped_mm
 from ftitan.nn import float8
 from tests.tiny_families import family, tiny_config
 
@@ -202,23 +203,24 @@ def test_per_example_gradients_of_a_float8_model_equal_a_loop():
 def test_float8_step_trains_like_fp32():
     """Ten AdamW steps of a tiny llama with float8 (autograd path, torchao emulated): the loss falls as the
     fp32 run's does, within 2% of it at every step."""
-    def losses(recipe: str) -> list[float]:
-        model = _model("llama", recipe)
-        opt = ft.optim.adamw(3e-3)
-        step = ft.train.make_train_step(ft.train.next_token_loss(model), opt,
-                                        grad_impl=ft.train.runtime.gradient_path(float8=recipe))  # fmt: skip
-        state = ft.train.init_state(model.init(ft.random.key(0)), opt)
-        tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-        out = []
-        for _ in range(10):
-            state, metrics = step(state, batch)
-            out.append(float(metrics["loss"]))
-        return out
-
-    fp32, f8 = losses(""), losses("rowwise")
+    fp32, f8 = _train_losses(_model("llama")), _train_losses(_model("llama", "rowwise"))
     assert f8[-1] < f8[0] - 0.3
     assert all(abs(a - b) < 0.02 * b for a, b in zip(f8, fp32)), (f8, fp32)
+
+
+def _train_losses(model) -> list[float]:
+    """Ten AdamW steps on one batch, on the gradient path ``ftitan train`` picks for the model's config."""
+    opt = ft.optim.adamw(3e-3)
+    grad_impl = ft.train.runtime.gradient_path(float8=ft.train.runtime.step_options(model.config)["float8"])
+    step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, grad_impl=grad_impl)
+    state = ft.train.init_state(model.init(ft.random.key(0)), opt)
+    tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    out = []
+    for _ in range(10):
+        state, metrics = step(state, batch)
+        out.append(float(metrics["loss"]))
+    return out
 
 
 def test_float8_picks_the_autograd_path():
@@ -293,3 +295,150 @@ def test_a_gpu_older_than_sm89_is_refused_naming_the_flag(monkeypatch):
         ft.config.validate(attrs.evolve(base, float8="tensorwise"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100/H200 passes this rule
     assert ft.config.validate(attrs.evolve(base, float8="tensorwise")).model.float8 == "tensorwise"
+
+
+# ---------------------------------------------------------------- MoE experts: float8 grouped GEMMs
+
+COUNTS = (5, 0, 19, 8)  # rows per expert, one expert without rows
+
+
+def _grouped_inputs(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(3)
+    offs = torch.tensor(COUNTS).cumsum(0).to(torch.int32)
+    x = torch.randn(int(offs[-1]), 32, generator=g)
+    x[3] *= 30.0  # an outlier row
+    w = (torch.randn(len(COUNTS), 48, 32, generator=g) * 0.1).transpose(-2, -1)  # (E, K, N), as experts pass it
+    gy = torch.randn(int(offs[-1]), 48, generator=g)
+    return x.to(dtype), w.to(dtype), offs, gy.to(dtype)
+
+
+def _grouped_recipe_written_out(x, w, gy):
+    """torchao's rowwise MoE recipe as a loop over the experts: e4m3, power-of-two scales along each GEMM's
+    reduction axis; the weight gradient's over each expert's own rows."""
+    fq = lambda t, dim: float8.fake_quantize(t, float8.E4M3, dim, pow2=True)  # noqa: E731
+    ys, gxs, gws, start = [], [], [], 0
+    for e, n in enumerate(COUNTS):
+        xe, ge = x[start : start + n], gy[start : start + n]
+        ys.append(fq(xe, -1) @ fq(w[e], 0))
+        gxs.append(fq(ge, -1) @ fq(w[e], 1).t())
+        gws.append(fq(xe, 0).t() @ fq(ge, 0) if n else torch.zeros(w.shape[1:]))
+        start += n
+    return torch.cat(ys).to(x.dtype), torch.cat(gxs).to(x.dtype), torch.stack(gws).to(w.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_float8_matches_the_recipe_written_out(dtype):
+    """The experts' float8 grouped GEMM (autograd path, emulated) is the recipe's loop over experts, bit for
+    bit: output, input gradient and weight gradient (an expert without rows gets a zero gradient)."""
+    x, w, offs, gy = _grouped_inputs(dtype)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    y = float8.grouped_mm(x, w, offs)
+    gx, gw = torch.autograd.grad(y, (x, w), gy)
+    ref_y, ref_gx, ref_gw = _grouped_recipe_written_out(x.detach(), w.detach(), gy)
+    assert torch.equal(y, ref_y) and torch.equal(gx, ref_gx) and torch.equal(gw, ref_gw)
+    assert gw[1].eq(0).all() and y.dtype == gx.dtype == dtype
+    plain = torch.autograd.grad(plain_grouped_mm(x, w, offs), (x, w), gy)
+    assert 1e-4 < _rel(gw, plain[1]) < 0.1  # float8's rounding, not another computation
+
+
+def test_pad_groups_aligns_every_expert_and_changes_nothing():
+    """``pad_groups`` (the CUDA path's alignment for ``torch._scaled_grouped_mm``): each expert's rows start at
+    a multiple of 16, ``x_padded[dest]`` is ``x``, rows past the last expert go to the spare last row, and the
+    float8 GEMM on the padded rows gives the unpadded one's rows."""
+    x, w, offs, _ = _grouped_inputs(torch.float32)
+    extra = torch.cat([x, torch.randn(3, 32)])  # 3 rows past offs[-1]: in no expert (the EP padded exchange's)
+    x_padded, offs_padded, dest = float8.pad_groups(extra, offs)
+    assert offs_padded.tolist() == [16, 16, 48, 64] and x_padded.shape[0] == -(-(35 + 4 * 15) // 16) * 16 + 1
+    assert torch.equal(x_padded[dest[: x.shape[0]]], x) and dest[x.shape[0] :].eq(x_padded.shape[0] - 1).all()
+    starts = (offs_padded - torch.tensor([16, 0, 32, 16])).tolist()
+    assert all(s % 16 == 0 for s in starts)
+    y = float8.grouped_mm(x, w, offs)
+    assert torch.equal(float8.grouped_mm(x_padded[:-1], w, offs_padded)[dest[: x.shape[0]]], y)
+
+
+def test_grouped_float8_under_transforms_and_compile():
+    """Under ``grad``/``jvp`` the straight-through reference runs (the forward's casts, differentiated as the
+    identity); compiled with ``torch.autograd.grad`` traced (the train step's autograd path), the emulated
+    recipe equals eager."""
+    x, w, offs, gy = _grouped_inputs(torch.float32)
+    fq = lambda t, dim: float8.fake_quantize(t, float8.E4M3, dim, pow2=True)  # noqa: E731
+    gx, gw = grad(lambda x, w: (float8.grouped_mm(x, w, offs) * gy).sum(), argnums=(0, 1))(x, w)
+    assert torch.equal(gx, plain_grouped_mm(gy, fq(w, -2).transpose(-2, -1), offs))
+    assert torch.equal(gw, torch._grouped_mm(fq(x, -1).t(), gy, offs=offs))
+    tx = torch.randn_like(x)
+    _, tangent = jvp(lambda x: float8.grouped_mm(x, w, offs), (x,), (tx,))
+    # forward AD runs grouped_mm's dense form (every expert's GEMM, masked): float32 rounding apart
+    torch.testing.assert_close(tangent, plain_grouped_mm(tx, fq(w, -2), offs), rtol=1e-6, atol=1e-6)
+
+    def f(x, w):
+        y = float8.grouped_mm(x, w, offs)
+        return (y.detach(), *torch.autograd.grad(y, (x, w), gy))
+
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        compiled = torch.compile(f, fullgraph=True)(x.requires_grad_(), w.requires_grad_())
+    for a, b in zip(compiled, f(x, w)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_moe_family_with_float8_experts(name, monkeypatch):
+    """``float8_experts``: the routed experts run the float8 grouped GEMM (counted), the logits move by what
+    float8 costs, the torch.func gradient equals the autograd gradient of the reference model, and the
+    autograd path's (the recipe's backward casts) is within float8's error of it."""
+    cfg = attrs.evolve(tiny_config(name), float8_experts=True)
+    model, plain = family(name).model(cfg), family(name).model(tiny_config(name))
+    params = plain.init(ft.random.key(0))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    loss_fn = ft.train.next_token_loss(model)
+    calls = []
+    real = float8.grouped_mm
+    monkeypatch.setattr(float8, "grouped_mm", lambda *a: calls.append(1) or real(*a))
+    g_func = ft.tree.leaves(grad(lambda p: loss_fn(p, batch)[0])(params))
+    moe_layers = len(model.config.moe_layers) if name == "qwen3_moe" else cfg.n_layers - cfg.n_dense_layers
+    assert len(calls) == 3 * moe_layers  # gate, up, down of every MoE layer
+
+    def autograd_grads():
+        p_leaf = ft.tree.map(lambda t: t.detach().requires_grad_(), params)
+        leaves = ft.tree.leaves(p_leaf)
+        gs = torch.autograd.grad(loss_fn(p_leaf, batch)[0], leaves, allow_unused=True)  # the router bias: none
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, gs)]
+
+    g_recipe = autograd_grads()
+    monkeypatch.setattr(float8, "grouped_mm", float8.grouped_reference)
+    for a, b in zip(g_func, autograd_grads()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    flat = lambda gs: torch.cat([g.flatten() for g in gs])  # noqa: E731
+    assert 1e-4 < _rel(flat(g_func), flat(g_recipe)) < 0.06
+    out, ref = model.apply(params, batch["inputs"]), plain.apply(params, batch["inputs"])
+    out, ref = (o[0] if isinstance(o, tuple) else o for o in (out, ref))
+    assert 1e-4 < _rel(out, ref) < 0.3
+    assert ft.train.runtime.step_options(cfg)["float8"] == "rowwise"  # the autograd path: the recipe's casts
+
+
+def test_float8_experts_train_like_fp32():
+    """Ten AdamW steps of a tiny Qwen3-MoE with float8 experts and rowwise projections (autograd path): the
+    loss falls as the fp32 run's does, within 2% of it at every step."""
+    cfg = tiny_config("qwen3_moe")
+    fp32 = _train_losses(family("qwen3_moe").model(cfg))
+    f8 = _train_losses(family("qwen3_moe").model(attrs.evolve(cfg, float8="rowwise", float8_experts=True)))
+    assert f8[-1] < f8[0] - 0.3
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(f8, fp32)), (f8, fp32)
+
+
+def test_float8_experts_errors(monkeypatch):
+    """Widths not multiples of 16 and batch invariance are refused by the config; on CUDA a GPU below
+    compute capability 9.0 (no ``torch._scaled_grouped_mm``) by validation, naming the flag."""
+    from ftitan.train import runtime
+
+    with pytest.raises(ValueError, match=r"float8_experts needs.*multiples of 16.*'expert_dim': 24"):
+        attrs.evolve(tiny_config("qwen3_moe"), float8_experts=True, expert_dim=24)
+    with pytest.raises(ValueError, match=r"deepseek_v3.*float8_experts.*batch_invariant.*float8_experts=False"):
+        attrs.evolve(tiny_config("deepseek_v3"), float8_experts=True, attn_impl="batch_invariant")
+    base = ft.config.get_recipe("qwen3-moe-debug")
+    monkeypatch.setattr(runtime, "resolve_device", lambda *a, **k: torch.device("cuda", 0))
+    monkeypatch.setattr(runtime, "resolve_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 9))
+    on = attrs.evolve(base, model=attrs.evolve(base.model, float8_experts=True))
+    with pytest.raises(ValueError, match=r"--model\.float8-experts=True.*9\.0.*\(8, 9\).*drop"):
+        ft.config.validate(on)

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 import ftitan as ft
 from ftitan import parallel
-from ftitan.models import llama, qwen3_moe
+from ftitan.models import deepseek_v3, llama, qwen3_moe
 from _checks_ep import batch_for as moe_batch_for
-from _checks_ep import init_params, tiny_qwen3_moe
+from _checks_ep import init_params, tiny_deepseek_v3, tiny_qwen3_moe
 from _checks_pp import SEQ, _max_over_ranks, _stage_state
 from _parity import batch_for, max_diff, parallel_grads, tiny_llama
 
@@ -97,11 +97,14 @@ def grads_check(name: str, degrees: dict[str, int]) -> dict:
     return out
 
 
-def rowwise_check(name: str, family: str, degrees: dict[str, int]) -> dict:
+def rowwise_check(name: str, family: str, degrees: dict[str, int], experts: bool = False) -> dict:
     """Rowwise float8 gradients on a layout whose ranks hold other rows or shards (cp's sequence chunks,
-    ep's experts) against one process's on the whole batch: the same, as under tp."""
-    if family == "qwen3_moe":
-        model = qwen3_moe.model(tiny_qwen3_moe(float8="rowwise"))
+    ep's experts) against one process's on the whole batch: the same, as under tp. ``experts``: the MoE
+    experts' grouped GEMMs in float8 too (their scales per expert: over the rows the expert got)."""
+    if family in ("qwen3_moe", "deepseek_v3"):
+        make = {"qwen3_moe": (qwen3_moe, tiny_qwen3_moe), "deepseek_v3": (deepseek_v3, tiny_deepseek_v3)}[family]
+        extra = {"kv_lora_rank": 24} if family == "deepseek_v3" else {}  # kv_a = 24 + 8: a multiple of 16
+        model = make[0].model(make[1](float8="rowwise", float8_experts=experts, **extra))
         params, batch = init_params(family, model), moe_batch_for(8, SEQ, 256)
     else:
         model = llama.model(tiny_llama(float8="rowwise"))
@@ -144,8 +147,11 @@ CHECKS = {
     "float8_steps_dp_shard4": lambda: steps_check("float8_steps_dp_shard4", "tensorwise", {"dp_shard": 4}),
     "float8_grads_dp_shard2_tp2": lambda: grads_check("float8_grads_dp_shard2_tp2", {"dp_shard": 2, "tp": 2}),
     "float8_rowwise_tp2_cp2": lambda: rowwise_check("float8_rowwise_tp2_cp2", "llama", {"tp": 2, "cp": 2}),
-    "float8_rowwise_ep2_dp_shard2_qwen3_moe": lambda: rowwise_check(
-        "float8_rowwise_ep2_dp_shard2_qwen3_moe", "qwen3_moe", {"ep": 2, "dp_shard": 2}
+    "float8_experts_ep2_dp_shard2_qwen3_moe": lambda: rowwise_check(
+        "float8_experts_ep2_dp_shard2_qwen3_moe", "qwen3_moe", {"ep": 2, "dp_shard": 2}, experts=True
+    ),
+    "float8_experts_ep2_dp_shard2_deepseek_v3": lambda: rowwise_check(
+        "float8_experts_ep2_dp_shard2_deepseek_v3", "deepseek_v3", {"ep": 2, "dp_shard": 2}, experts=True
     ),
     "float8_pp2_dp_shard2": lambda: pp_check("float8_pp2_dp_shard2", {"pp": 2, "dp_shard": 2}),
 }

@@ -44,6 +44,10 @@ def test_pipeline_float8_gradients_are_the_micro_batches_accumulated(parity_resu
 
 
 def test_rowwise_float8_gradients_on_sequence_and_expert_layouts(parity_results):
-    for name in ("float8_rowwise_tp2_cp2", "float8_rowwise_ep2_dp_shard2_qwen3_moe"):
+    """tp 2 x cp 2 (Llama); ep 2 x dp_shard 2 with the experts' grouped GEMMs in float8 too (Qwen3-MoE,
+    DeepSeek-V3 with its shared expert and MLA): an expert's scales are over the rows it got, from every
+    rank, and its weight-gradient scales over them too; powers of two make all of it one process's."""
+    for name in ("float8_rowwise_tp2_cp2", "float8_experts_ep2_dp_shard2_qwen3_moe",
+                 "float8_experts_ep2_dp_shard2_deepseek_v3"):  # fmt: skip
         r = _ok(parity_results[name])
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-6, r
