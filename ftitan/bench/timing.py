@@ -280,7 +280,8 @@ SPEC_ENV = "FTITAN_BENCH_SPEC"  # a multi-rank benchmark's spec, JSON, for its r
 def launch_ranks(module: str, nproc: int, spec: Mapping[str, Any], tag: str, *, prog: str) -> dict[str, Any]:
     """``python -m module`` on ``nproc`` gloo ranks (one ``torchrun --standalone`` launch, one thread each),
     ``spec`` handed to them as JSON (:func:`rank_spec`); the results rank 0 printed with :func:`report`
-    under ``tag``, by name. Raises naming ``prog`` with the launch's stderr if it failed or printed none."""
+    under ``tag``, by name. Raises naming ``prog`` with the launch's stderr, and the results that came before,
+    if it failed or printed none."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", SPEC_ENV: json.dumps(spec)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -290,7 +291,8 @@ def launch_ranks(module: str, nproc: int, spec: Mapping[str, Any], tag: str, *, 
             r = json.loads(line[len(tag) + 1 :])
             results[r.pop("name")] = r
     if proc.returncode != 0 or not results:
-        raise RuntimeError(f"{prog}: torchrun failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{prog}: torchrun failed (rc {proc.returncode}) after the results {sorted(results)}:"
+                           f"\n{proc.stderr[-4000:]}")  # fmt: skip
     return results
 
 
