@@ -220,7 +220,7 @@ def grouped_reference(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
 def pad_groups(x: torch.Tensor, offs: torch.Tensor, align: int = GROUP_ROWS) -> tuple[torch.Tensor, ...]:
     """``(x_padded, offs_padded, dest)``: every group's rows moved to a start that is a multiple of ``align``,
     zero rows between; ``x_padded[dest] == x`` for the rows of a group (rows past ``offs[-1]`` go to the last
-    row, which no group reaches). Static shapes, no host sync: ``M + E (align - 1)`` rows, rounded up, plus
+    row, which no group reaches, as zeros). Static shapes, no host sync: ``M + E (align - 1)`` rows, rounded up, plus
     that one."""
     m, e = x.shape[0], offs.shape[0]
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
@@ -229,9 +229,11 @@ def pad_groups(x: torch.Tensor, offs: torch.Tensor, align: int = GROUP_ROWS) -> 
     rows = torch.arange(m, device=x.device, dtype=offs.dtype)
     group = torch.searchsorted(offs, rows, right=True).clamp(max=e - 1)
     size = -(-(m + e * (align - 1)) // align) * align
-    dest = torch.where(rows < offs[-1], ends[group] - padded[group] + rows - (offs[group] - counts[group]), size)
-    x_padded = x.new_zeros(size + 1, x.shape[1]).index_copy(0, dest.long(), x)
-    return x_padded, ends.to(torch.int32), dest.long()
+    inside = rows < offs[-1]
+    dest = torch.where(inside, ends[group] - padded[group] + rows - (offs[group] - counts[group]), size).long()
+    # rows in no group go in as zeros: whatever a GEMM leaves in such a row, no gradient flows back to them
+    x_padded = x.new_zeros(size + 1, x.shape[1]).index_copy(0, dest, torch.where(inside[:, None], x, 0))
+    return x_padded, ends.to(torch.int32), dest
 
 
 _TORCHAO_GROUPED: list[Any] = []  # torchao's float8 grouped GEMM, imported where CUDA is (check_experts)

@@ -350,10 +350,38 @@ def test_pad_groups_aligns_every_expert_and_changes_nothing():
     x_padded, offs_padded, dest = float8.pad_groups(extra, offs)
     assert offs_padded.tolist() == [16, 16, 48, 64] and x_padded.shape[0] == -(-(35 + 4 * 15) // 16) * 16 + 1
     assert torch.equal(x_padded[dest[: x.shape[0]]], x) and dest[x.shape[0] :].eq(x_padded.shape[0] - 1).all()
+    assert x_padded[-1].eq(0).all()  # the rows in no group go in as zeros
     starts = (offs_padded - torch.tensor([16, 0, 32, 16])).tolist()
     assert all(s % 16 == 0 for s in starts)
     y = float8.grouped_mm(x, w, offs)
     assert torch.equal(float8.grouped_mm(x_padded[:-1], w, offs_padded)[dest[: x.shape[0]]], y)
+
+
+def test_the_cuda_glue_around_torchao_keeps_values_and_gradients(monkeypatch):
+    """``_torchao_grouped`` (pad, torchao's Function, unpad) with the emulation standing in for torchao's CUDA
+    Function (same signature, same recipe): values and gradients equal the unpadded emulation's bit for bit
+    (zero rows change no row's or expert's scale); rows past the last expert come back zero, and get a zero
+    gradient whatever the GEMM leaves in their row."""
+    calls = []
+
+    def torchao_stand_in(a, b_t, offs, out_dtype, pad_token_groups_for_grouped_mm):
+        assert not pad_token_groups_for_grouped_mm and a.is_contiguous() and b_t.stride(-2) == 1  # col-major
+        calls.append([int(o) % 16 for o in offs])
+        return float8._GroupedRowwise.apply(a, b_t, offs).to(out_dtype)
+
+    monkeypatch.setattr(float8, "_TORCHAO_GROUPED", [torchao_stand_in])
+    x, w, offs, gy = _grouped_inputs(torch.bfloat16)
+    extra = torch.cat([x, torch.randn(3, 32).to(torch.bfloat16)]).requires_grad_()
+    w = w.requires_grad_()
+    y = float8._torchao_grouped(extra, w, offs)
+    g_extra = torch.cat([gy, torch.ones(3, 48, dtype=gy.dtype)])
+    gx, gw = torch.autograd.grad(y, (extra, w), g_extra)
+    ref = extra.detach()[: x.shape[0]].requires_grad_()
+    ref_y = float8.grouped_mm(ref, w, offs)
+    ref_gx, ref_gw = torch.autograd.grad(ref_y, (ref, w), gy)
+    assert calls == [[0, 0, 0, 0]]  # every expert's rows padded to a multiple of 16
+    assert torch.equal(y[: x.shape[0]], ref_y) and y[x.shape[0] :].eq(0).all()
+    assert torch.equal(gx[: x.shape[0]], ref_gx) and gx[x.shape[0] :].eq(0).all() and torch.equal(gw, ref_gw)
 
 
 def test_grouped_float8_under_transforms_and_compile():
