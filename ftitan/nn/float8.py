@@ -265,14 +265,8 @@ def check_experts(cfg: Any, family: str, widths: dict[str, int]) -> None:
     widths) multiples of 16; imports torchao's grouped GEMM where CUDA is (outside compiled code)."""
     if not cfg.float8_experts:
         return
-    if cfg.attn_impl == "batch_invariant":
-        raise ValueError(f"{family}.Config: float8_experts with attn_impl='batch_invariant': an expert's float8 "
-                         "scales are taken over its rows, which depend on the batch; "
-                         "use float8_experts=False")  # fmt: skip
-    bad = {k: v for k, v in widths.items() if v % 16}
-    if bad:
-        raise ValueError(f"{family}.Config: float8_experts needs the experts' widths to be multiples of 16 "
-                         f"(float8 grouped GEMMs); not: {bad}")  # fmt: skip
+    _refuse(cfg, f"{family}.Config: float8_experts", "float8_experts=False", widths, "the experts' widths",
+            "float8 grouped GEMMs", "an expert's float8 scales are taken over its rows, which depend on the batch")
     if torch.cuda.is_available() and not _TORCHAO_GROUPED:
         _import_torchao()
         from torchao.prototype.moe_training.fp8_grouped_mm import _to_fp8_rowwise_then_scaled_grouped_mm
@@ -289,11 +283,16 @@ def check_config(cfg: Any, family: str, widths: dict[str, int]) -> None:
         return
     for emulate in (True, False):  # torchao's objects for the recipe, built here rather than in compiled code
         _torchao(cfg.float8, emulate)
+    _refuse(cfg, f"{family}.Config: float8={cfg.float8!r}", "float8=''", widths, "every projection width",
+            "float8 GEMMs, torch._scaled_mm", "a float8 scale is taken over the whole batch, so the log-probs "
+            "could not be batch-invariant")  # fmt: skip
+
+
+def _refuse(cfg: Any, owner: str, off: str, widths: dict[str, int], what: str, gemms: str, why: str) -> None:
+    """The rules every float8 field shares: not with ``attn_impl="batch_invariant"`` (``why``), and ``widths``
+    multiples of 16 (``gemms``' rule); the errors name ``owner`` and the fix ``off``."""
     if cfg.attn_impl == "batch_invariant":
-        raise ValueError(f"{family}.Config: float8={cfg.float8!r} with attn_impl='batch_invariant': a float8 "
-                         "scale is taken over the whole batch, so the log-probs could not be batch-invariant; "
-                         "use float8=''")  # fmt: skip
+        raise ValueError(f"{owner} with attn_impl='batch_invariant': {why}; use {off}")
     bad = {k: v for k, v in widths.items() if v % 16}
     if bad:
-        raise ValueError(f"{family}.Config: float8={cfg.float8!r} needs every projection width to be a multiple "
-                         f"of 16 (float8 GEMMs, torch._scaled_mm); not: {bad}")  # fmt: skip
+        raise ValueError(f"{owner} needs {what} to be a multiple of 16 ({gemms}); not: {bad}")

@@ -459,7 +459,7 @@ def test_float8_experts_errors(monkeypatch):
     compute capability 9.0 (no ``torch._scaled_grouped_mm``) by validation, naming the flag."""
     from ftitan.train import runtime
 
-    with pytest.raises(ValueError, match=r"float8_experts needs.*multiples of 16.*'expert_dim': 24"):
+    with pytest.raises(ValueError, match=r"float8_experts needs the experts' widths to be a multiple of 16.*'expert_dim': 24"):
         attrs.evolve(tiny_config("qwen3_moe"), float8_experts=True, expert_dim=24)
     with pytest.raises(ValueError, match=r"deepseek_v3.*float8_experts.*batch_invariant.*float8_experts=False"):
         attrs.evolve(tiny_config("deepseek_v3"), float8_experts=True, attn_impl="batch_invariant")
