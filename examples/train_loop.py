@@ -6,7 +6,8 @@
 Trains ``llama.Config.debug()`` (vocab 256: one token per byte) on the source
 of ``torch/__init__.py``; loss falls from ln(256) ~ 5.5 in a few dozen steps.
 ``--kernels triton``: the model's kernels by ``ftitan.kernels`` (Triton on CUDA; on the CPU the linear
-layers' GEMMs in oneDNN), differentiated on the autograd path they need (``gradient_path``).
+layers' GEMMs in oneDNN), differentiated on the autograd path they need (``gradient_path`` of the model
+config's ``step_options``, as ``ftitan train`` picks it).
 ``--float8 rowwise``: the blocks' projections in float8 by that torchao recipe (float8 GEMMs on an H100-class
 GPU, torchao's emulation elsewhere; ``ftitan.nn.float8``), on the autograd path too.
 """
@@ -19,7 +20,7 @@ import torch
 
 import ftitan as ft
 from ftitan.models import llama
-from ftitan.train.runtime import gradient_path
+from ftitan.train.runtime import gradient_path, step_options
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=200)
@@ -40,7 +41,7 @@ else:
 opt = ft.optim.chain(ft.optim.clip_by_global_norm(1.0), inner)
 # donate: each step writes the new params and optimizer state into the old state's buffers (in place)
 step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True,
-                                grad_impl=gradient_path(kernels=args.kernels, float8=args.float8))
+                                grad_impl=gradient_path(**step_options(model.config)))
 if not args.no_compile:
     step = torch.compile(step, fullgraph=True)
 state = ft.train.init_state(params, opt)

@@ -166,7 +166,7 @@ def ftitan_step(
     """
     import ftitan as ft
     from ftitan.models import llama
-    from ftitan.train.runtime import gradient_path
+    from ftitan.train.runtime import gradient_path, step_options
 
     fast_paths = ft.config.compose(ft.config.with_kernels(kernels), ft.config.with_float8(float8))
     model = llama.model(fast_paths(_llama_config(cfg)))
@@ -178,7 +178,7 @@ def ftitan_step(
     precision = ft.train.MixedPrecision(compute_dtype=compute_dtype).for_model(model)
     # donated, as the trainer runs it: params and moments updated in place, like the peers' torch.optim
     step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=True, precision=precision,
-                                    grad_impl=gradient_path(kernels=kernels, float8=float8))  # fmt: skip
+                                    grad_impl=gradient_path(**step_options(model.config)))  # fmt: skip
     if compile:
         step = torch.compile(step, fullgraph=True)
     tokens = peers.make_batch(cfg, seed=seed, device=device)

@@ -39,7 +39,7 @@ from ftitan.kernels import op
 from ftitan.kernels.grouped_mm import grouped_mm as grouped_mm_
 
 __all__ = ["GROUP_ROWS", "RECIPES", "check_config", "check_experts", "check_recipe", "fake_quantize",
-           "grouped_mm", "grouped_reference", "linear", "pad_groups", "reference"]
+           "grouped_mm", "grouped_reference", "linear", "pad_groups", "prepare", "reference"]
 
 RECIPES = ("tensorwise", "rowwise")  # a model config's ``float8`` ("": off)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -151,11 +151,24 @@ def _torchao(recipe: str, emulate: bool) -> tuple[Any, Any, Any]:
     return _TORCHAO[key]
 
 
+def prepare(recipe: str) -> None:
+    """Build torchao's objects for ``recipe`` (both devices) outside compiled code, where :func:`linear` reads
+    them: a model config with ``float8`` does it when it is made (:func:`check_config`); code that calls
+    :func:`linear` itself inside ``torch.compile`` calls this first."""
+    for emulate in (True, False):
+        _torchao(recipe, emulate)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, recipe: str) -> torch.Tensor:
     """``x @ w.T + b`` in float8 by ``recipe`` (see the module docstring): torchao's path where no
-    ``torch.func`` transform is active (float8 GEMMs on CUDA, its emulation elsewhere), else :func:`reference`."""
+    ``torch.func`` transform is active (float8 GEMMs on CUDA, its emulation elsewhere), else :func:`reference`.
+    Under ``torch.compile`` after :func:`prepare` (a model config's own check does it)."""
     if not (op.no_transform() and op.plain(x, w)):
         return reference(x, w, b, recipe=recipe)
+    if (recipe, not x.is_cuda) not in _TORCHAO and torch.compiler.is_compiling():
+        raise RuntimeError(f"float8.linear(recipe={recipe!r}) inside torch.compile before float8.prepare"
+                           f"({recipe!r}): torchao's objects cannot be built in compiled code; "
+                           "call it first")  # fmt: skip
     fn, mm, cfg = _torchao(recipe, not x.is_cuda)
     y = fn.apply(x, w.t(), mm, cfg)
     return y if b is None else y + b
@@ -281,8 +294,7 @@ def check_config(cfg: Any, family: str, widths: dict[str, int]) -> None:
     check_recipe(cfg.float8, f"{family}.Config.float8")
     if not cfg.float8:
         return
-    for emulate in (True, False):  # torchao's objects for the recipe, built here rather than in compiled code
-        _torchao(cfg.float8, emulate)
+    prepare(cfg.float8)  # torchao's objects for the recipe, built here rather than in compiled code
     _refuse(cfg, f"{family}.Config: float8={cfg.float8!r}", "float8=''", widths, "every projection width",
             "float8 GEMMs, torch._scaled_mm", "a float8 scale is taken over the whole batch, so the log-probs "
             "could not be batch-invariant")  # fmt: skip

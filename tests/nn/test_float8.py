@@ -132,17 +132,25 @@ def test_transforms_see_the_reference(recipe):
     torch.testing.assert_close(ctangent, jvp(loss, (x, w), (tx, tw))[1], rtol=1e-5, atol=1e-4)
 
 
-def test_compiled_gradient_equals_eager():
+def test_compiled_gradient_equals_eager(monkeypatch):
     """torchao's Function inside ``torch.compile(fullgraph=True)`` with ``torch.autograd.grad`` traced (the
-    train step's autograd path): the values and gradients of the eager call."""
+    train step's autograd path): the values and gradients of the eager call. Before ``float8.prepare``
+    (which a model config's check runs) the compile is refused with one line naming it."""
     x, w, gy = _inputs(torch.float32)
 
     def f(x, w, gy):
         y = float8.linear(x, w, recipe="tensorwise")
         return (y.detach(), *torch.autograd.grad(y, (x, w), gy))
 
+    x, w = x.requires_grad_(), w.requires_grad_()
     with torch._dynamo.config.patch(trace_autograd_ops=True):
-        compiled = torch.compile(f, fullgraph=True)(x.requires_grad_(), w.requires_grad_(), gy)
+        with monkeypatch.context() as m:  # as in a fresh process: nothing prepared yet
+            m.setattr(float8, "_TORCHAO", {})
+            with pytest.raises(Exception, match=r"before float8\.prepare\('tensorwise'\)"):
+                torch.compile(f, fullgraph=True)(x, w, gy)
+        torch._dynamo.reset()
+        float8.prepare("tensorwise")
+        compiled = torch.compile(f, fullgraph=True)(x, w, gy)
     for a, b in zip(compiled, f(x, w, gy)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -211,7 +219,7 @@ def test_float8_step_trains_like_fp32():
 def _train_losses(model) -> list[float]:
     """Ten AdamW steps on one batch, on the gradient path ``ftitan train`` picks for the model's config."""
     opt = ft.optim.adamw(3e-3)
-    grad_impl = ft.train.runtime.gradient_path(float8=ft.train.runtime.step_options(model.config)["float8"])
+    grad_impl = ft.train.runtime.gradient_path(**ft.train.runtime.step_options(model.config))
     step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, grad_impl=grad_impl)
     state = ft.train.init_state(model.init(ft.random.key(0)), opt)
     tokens = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(1))
@@ -459,7 +467,7 @@ def test_float8_experts_errors(monkeypatch):
     compute capability 9.0 (no ``torch._scaled_grouped_mm``) by validation, naming the flag."""
     from ftitan.train import runtime
 
-    with pytest.raises(ValueError, match=r"float8_experts needs the experts' widths to be a multiple of 16.*'expert_dim': 24"):
+    with pytest.raises(ValueError, match=r"float8_experts needs the experts' widths.*16.*'expert_dim': 24"):
         attrs.evolve(tiny_config("qwen3_moe"), float8_experts=True, expert_dim=24)
     with pytest.raises(ValueError, match=r"deepseek_v3.*float8_experts.*batch_invariant.*float8_experts=False"):
         attrs.evolve(tiny_config("deepseek_v3"), float8_experts=True, attn_impl="batch_invariant")
