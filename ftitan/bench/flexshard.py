@@ -289,5 +289,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     if (rank_spec := timing.rank_spec()) is not None:
         _worker(rank_spec)
+        timing.end_rank()
     else:
         sys.exit(main())

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -29,6 +29,7 @@ from ftitan import _cache
 __all__ = [
     "cli",
     "emit",
+    "end_rank",
     "launch_ranks",
     "rank_spec",
     "report",
@@ -282,7 +283,8 @@ def launch_ranks(module: str, nproc: int, spec: Mapping[str, Any], tag: str, *, 
     ``spec`` handed to them as JSON (:func:`rank_spec`); the results rank 0 printed with :func:`report`
     under ``tag``, by name. Raises naming ``prog`` with the launch's stderr, and the results that came before,
     if it failed or printed none."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", SPEC_ENV: json.dumps(spec)}
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT from C++) prints every thread's Python stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", SPEC_ENV: json.dumps(spec)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", module]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     results: dict[str, Any] = {}
@@ -300,6 +302,22 @@ def rank_spec() -> dict[str, Any] | None:
     """The spec :func:`launch_ranks` handed this process, when it is one of the launched ranks; else None."""
     text = os.environ.get(SPEC_ENV)
     return json.loads(text) if text is not None and "RANK" in os.environ else None
+
+
+def end_rank() -> NoReturn:
+    """End a launched rank after its worker returned (past ``parallel.shutdown``'s barrier, so every rank is
+    done talking): flush what it printed and ``os._exit(0)``, skipping the interpreter's finalization.
+
+    Why: in two fresh-clone suite runs one rank of ``bench flexshard --quick`` aborted with "terminate called
+    without an active exception", seconds after its parts' last collectives (not reproduced alone). The
+    likely cause is the one pytorch/pytorch#179291 names for gloo: a C++ thread that takes the GIL while the
+    interpreter finalizes is ended by CPython with ``pthread_exit``, whose unwinding through a ``noexcept``
+    frame calls ``std::terminate``. A rank has nothing left to clean: its results went to stdout and its
+    process group is destroyed; :func:`launch_ranks` sets ``PYTHONFAULTHANDLER``, so an abort before this
+    point prints the rank's Python stacks."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report(tag: str, name: str, result: Mapping[str, Any]) -> None:
