@@ -103,6 +103,9 @@ class Options:
     """FP8 training of the ftitan peers' block projections: "tensorwise" or "rowwise" (torchao's recipes,
     ``ftitan train --float8``; float8 GEMMs on CUDA 8.9+, emulated elsewhere), "" none. Model FLOP/s are
     still judged against the compute dtype's GEMM peak."""
+    malloc_retain: bool = True
+    """On the CPU: glibc keeps the memory a step frees for the next one (``ft.train.retain_freed_memory``, as
+    ``ftitan train`` does), for every peer alike (one process); False: glibc's defaults."""
     seq_len: int = 0
     """Override the shape's sequence length (0: the shape's own)."""
     batch_size: int = 0
@@ -327,6 +330,11 @@ def run(opts: Options) -> dict[str, Any]:
     if opts.mixed_precision not in DTYPES:
         raise ValueError(f"--mixed-precision={opts.mixed_precision!r}: expected one of {tuple(DTYPES)}")
     device, dtype, cfg = resolve_device(opts.device), DTYPES[opts.mixed_precision], _config(opts)
+    malloc = {}
+    if device.type == "cpu" and opts.malloc_retain:
+        from ftitan.train.memory import retain_freed_memory
+
+        malloc = retain_freed_memory()  # process-wide: every peer's freed buffers stay in the heap
     names = list(opts.peers)
     skipped = _skipped(names, device, dtype)
     with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
@@ -381,7 +389,7 @@ def run(opts: Options) -> dict[str, Any]:
         "config": cfg | {"model": "quick" if opts.quick else opts.model, "dtype": "float32",
                          "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels,
-                         "float8": opts.float8},  # fmt: skip
+                         "float8": opts.float8, "malloc_retain": malloc},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak

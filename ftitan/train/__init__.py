@@ -3,6 +3,7 @@
 from ftitan.train.dpo import completion_logprobs, dpo_loss, dpo_loss_fn, with_reference
 from ftitan.train.exact_match import exact_match_eval, greedy_completions, score_completions
 from ftitan.train.losses import IGNORE_INDEX, chunked_cross_entropy, next_token_loss
+from ftitan.train.memory import retain_freed_memory
 from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.state import TrainState, init_state
 from ftitan.train.step import make_train_step, value_and_grad
@@ -24,6 +25,7 @@ __all__ = [
     "make_train_step",
     "next_token_loss",
     "per_example_grads",
+    "retain_freed_memory",
     "score_completions",
     "value_and_grad",
     "with_reference",

@@ -32,3 +32,53 @@ def test_a_state_too_large_for_the_device_is_refused_from_meta_shapes(monkeypatc
                        r"\d+\.\d GB .* but 68\.7 GB is available"):  # fmt: skip
         memory.check_fits(cfg, torch.device("cpu"))
     memory.check_fits(get_recipe("llama3-debug"), torch.device("cpu"))  # a small one fits
+
+
+_FAULTS = """
+import json, resource, torch
+from ftitan.train import memory
+
+
+def faults():  # what steps do: the same 4 MiB blocks allocated, written, freed
+    out = []
+    for _ in range(8):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [torch.ones(1 << 20) for _ in range(4)]
+        del blocks
+        out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return out
+
+
+default = faults()
+applied, again = memory.retain_freed_memory(), memory.retain_freed_memory()
+print(json.dumps({"default": default, "retain": faults(), "applied": applied, "again": again}))
+"""
+
+
+def test_retained_memory_is_not_faulted_in_again_step_after_step():
+    """glibc's defaults map every 4 MiB block afresh (a page fault per 4 KiB page, every step); after
+    retain_freed_memory the blocks come back from the heap without faults. In a process of its own: the
+    setting is process-wide, and glibc's defaults are measured first."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    pages = 4 * (4 << 20) // 4096  # the pages one iteration writes
+    assert min(run["default"][4:]) >= pages // 2, run  # glibc's defaults: faulted in again every time
+    assert max(run["retain"][4:]) <= pages // 50, run  # retained: (almost) none once the heap holds them
+    assert run["applied"] == run["again"] == memory.MALLOC_RETAIN  # idempotent
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_a_cpu_run_retains_freed_memory_unless_told_not_to(tiny_run_cfg, monkeypatch, retain):
+    import attrs
+
+    from ftitan.train.trainer import train
+
+    calls = []
+    monkeypatch.setattr(memory, "retain_freed_memory", lambda: calls.append(1) or {})
+    train(attrs.evolve(tiny_run_cfg, steps=2, eval_every=0, malloc_retain=retain), progress=False)
+    assert len(calls) == (1 if retain else 0)
