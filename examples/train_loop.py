@@ -45,6 +45,7 @@ step = ft.train.make_train_step(ft.train.next_token_loss(model), opt, donate=Tru
 if not args.no_compile:
     step = torch.compile(step, fullgraph=True)
 state = ft.train.init_state(params, opt)
+ft.train.retain_freed_memory()  # the CPU heap keeps what a step frees for the next (docs/compile-and-memory.md)
 gen = torch.Generator().manual_seed(0)
 for i in range(args.steps):
     starts = torch.randint(0, len(data) - 129, (8,), generator=gen)

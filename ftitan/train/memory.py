@@ -92,14 +92,16 @@ def retain_freed_memory() -> dict[str, int]:
     and faulting it in again: glibc's ``mallopt`` with :data:`MALLOC_RETAIN`. Process-wide; idempotent.
     Returns the settings applied, ``{}`` where the C library is not glibc (nothing changed).
 
-    Why: glibc serves every block at or above its mmap threshold with a fresh ``mmap`` and returns it with
-    ``munmap`` when freed; freeing one raises the threshold to that block's size, which still sends the next
-    block of the same size to ``mmap``. A step's activations and gradients are such blocks, so every step
-    touched them as new pages: the CPU benchmark step (``ftitan bench step``, 1.1 s) took ~70,000 minor page
-    faults and 0.14 s of system time per step, ~7% of its wall time, and ~200 faults with these settings
-    (docs/compile-and-memory.md). The cost: the process keeps its peak heap (up to 1 GiB of free memory at
-    its top) instead of shrinking between steps. ``ftitan train`` calls it for CPU runs
-    (``--malloc-retain``)."""
+    Why: glibc hands a freed block back to the OS when it was mapped on its own (blocks above the mmap
+    threshold, 128 KiB at first and raised as such blocks are freed) or when it lies in free memory at the
+    heap's top past the trim threshold (twice the mmap threshold); the next allocation of it maps fresh,
+    zeroed pages, a page fault per 4 KiB. A training step frees its activations and gradients and allocates
+    them again in the next step, so every step touched them as new pages: the CPU benchmark step
+    (``ftitan bench step``, 1.1 s) took ~70,000 minor page faults and 0.14 s of system time per step, ~7% of
+    its wall time, and ~30 faults with these settings (docs/compile-and-memory.md). The cost: the process
+    keeps its peak heap (up to 1 GiB of free memory at its top) instead of shrinking between steps; blocks
+    over 32 MiB are still mapped on their own. ``ftitan train`` and ``ftitan rl`` call it for CPU runs
+    (``--malloc-retain``; ``ftitan.train.runtime.setup``)."""
     global _RETAINED
     if _RETAINED is not None:
         return dict(_RETAINED)

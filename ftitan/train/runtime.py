@@ -26,7 +26,7 @@ from ftitan import tree as T
 from ftitan.config.schema import ParallelConfig
 from ftitan.models.base import Model
 from ftitan.parallel.activations import split_sequence
-from ftitan.train import regional, rendezvous
+from ftitan.train import memory, regional, rendezvous
 from ftitan.train.precision import MixedPrecision, apply_precision
 from ftitan.train.remat import memory_budget
 from ftitan.train.step import make_train_step, update_runs_by_layers
@@ -304,8 +304,10 @@ def _ce_only(loss_fn: Any) -> Any:
     return fn
 
 
-def setup(cfg: ParallelConfig, *, device: str = "auto") -> Runtime:
+def setup(cfg: ParallelConfig, *, device: str = "auto", malloc_retain: bool = False) -> Runtime:
     """The runtime for this process: its device, and the torchrun world (``WORLD_SIZE`` > 1) it joins.
+    ``malloc_retain`` (``--malloc-retain``): on a CPU device the process keeps the host memory a step frees
+    for the next step (:func:`ftitan.train.memory.retain_freed_memory`).
 
     Fails before any work when the degrees' product differs from the world size, or the device or
     backend is not available here. Joining the world and each collective wait at most
@@ -320,6 +322,8 @@ def setup(cfg: ParallelConfig, *, device: str = "auto") -> Runtime:
     backend = resolve_backend(cfg.backend, dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # NCCL and the mesh use the current device
+    if dev.type == "cpu" and malloc_retain:
+        memory.retain_freed_memory()
     if world == 1:
         return Runtime(None, cfg, device=dev)
     owns = not dist.is_initialized()

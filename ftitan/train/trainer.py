@@ -148,9 +148,8 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool) -
     (:class:`ftitan.checkpoint.RunDirError`)."""
     from tqdm import tqdm
 
-    rt = runtime.setup(cfg.parallel, device=cfg.device)  # device, torchrun world, layout; degrees checked first
-    if rt.device.type == "cpu" and cfg.malloc_retain:
-        memory.retain_freed_memory()  # a step's freed buffers stay in the heap for the next step: no page faults
+    # device, torchrun world, layout (degrees checked first); on the CPU the host memory a step frees is kept
+    rt = runtime.setup(cfg.parallel, device=cfg.device, malloc_retain=cfg.malloc_retain)
     memory.check_fits(cfg, rt.device)  # params + grads + optimizer state, from meta shapes: before any work
     run, cfg_dict = RunDir.of(cfg), config_to_dict(cfg)
     prepared = _data(cfg, rt, run, resume=resume, overwrite=overwrite)

@@ -39,11 +39,11 @@ import json, resource, torch
 from ftitan.train import memory
 
 
-def faults():  # what steps do: the same 4 MiB blocks allocated, written, freed
+def faults():  # what steps do: the same blocks (8 of 12 MiB) allocated, written, freed
     out = []
     for _ in range(8):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        blocks = [torch.ones(1 << 20) for _ in range(4)]
+        blocks = [torch.ones(3 << 20) for _ in range(8)]
         del blocks
         out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return out
@@ -56,9 +56,11 @@ print(json.dumps({"default": default, "retain": faults(), "applied": applied, "a
 
 
 def test_retained_memory_is_not_faulted_in_again_step_after_step():
-    """glibc's defaults map every 4 MiB block afresh (a page fault per 4 KiB page, every step); after
-    retain_freed_memory the blocks come back from the heap without faults. In a process of its own: the
-    setting is process-wide, and glibc's defaults are measured first."""
+    """Under glibc's defaults the blocks a step frees go back to the OS (munmap, or trimmed off the heap's
+    top) and the next step faults them in again, a fault per 4 KiB page; after retain_freed_memory they come
+    back from the heap. In a process of its own: the setting is process-wide, and the defaults are measured
+    first. (Under the defaults a stray allocation can pin the freed blocks in the heap after a few steps, so
+    the defaults are asked for one step's worth of faults after the first, not for faults in every step.)"""
     import json
     import subprocess
     import sys
@@ -66,9 +68,9 @@ def test_retained_memory_is_not_faulted_in_again_step_after_step():
     out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     run = json.loads(out.stdout.strip().splitlines()[-1])
-    pages = 4 * (4 << 20) // 4096  # the pages one iteration writes
-    assert min(run["default"][4:]) >= pages // 2, run  # glibc's defaults: faulted in again every time
-    assert max(run["retain"][4:]) <= pages // 50, run  # retained: (almost) none once the heap holds them
+    pages = 8 * (12 << 20) // 4096  # the pages one iteration writes
+    assert sum(run["default"][1:]) >= pages, run  # glibc's defaults: faulted in again
+    assert sum(run["retain"][1:]) <= pages // 50, run  # retained: (almost) none once the heap holds them
     assert run["applied"] == run["again"] == memory.MALLOC_RETAIN  # idempotent
 
 
