@@ -19,10 +19,11 @@ Every peer uses the same architecture, batch and AdamW hyperparameters;
 torch's AdamW runs its ``fused`` kernel (TorchTitan's default and the
 fastest torch offers). On the CPU the process keeps the host memory a step
 frees for the next one (``ft.train.retain_freed_memory``, as ``ftitan train``
-does; ``--malloc-retain False``: glibc's defaults), every peer alike. Achieved model FLOP/s are reported against a GEMM peak
-sampled in every round beside the steps (in the compute dtype; the median of
-each round's best of 3) and, on a GPU whose dense bf16 peak is published
-(H100/H200: 989 TFLOP/s), against that peak: MFU.
+does; ``--malloc-retain False``: glibc's defaults), every peer alike.
+Achieved model FLOP/s are reported against a GEMM peak sampled in every
+round beside the steps (in the compute dtype; the median of each round's
+best of 3) and, on a GPU whose dense bf16 peak is published (H100/H200:
+989 TFLOP/s), against that peak: MFU.
 
 ``ftitan-compiled-bf16`` / ``hf-compiled-bf16``: a bf16 row beside the fp32
 one (bf16 forward and backward, fp32 masters and AdamW state), judged against
