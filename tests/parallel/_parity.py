@@ -326,3 +326,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from ftitan.bench.timing import end_rank
+
+    end_rank()  # past shutdown's barrier: no interpreter finalization for gloo's threads to abort in

@@ -18,7 +18,7 @@ def launch(script: str, *args: str, nproc: int = 4, timeout: int = 900, slow: bo
     """Run ``script`` under torchrun (``nproc=0``: one plain process, e.g. fake ranks);
     ``{check name: result}`` from its ``RESULT {...}`` lines. ``slow``: the checks files also register
     their slow-tier checks (``FTITAN_SLOW_CHECKS``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}
     if slow:
         env["FTITAN_SLOW_CHECKS"] = "1"
     runner = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else []
