@@ -19,7 +19,7 @@ Every peer uses the same architecture, batch and AdamW hyperparameters;
 torch's AdamW runs its ``fused`` kernel (TorchTitan's default and the
 fastest torch offers). On the CPU the process keeps the host memory a step
 frees for the next one (``ft.train.retain_freed_memory``, as ``ftitan train``
-does; ``--malloc-retain False``: glibc's defaults), every peer alike.
+does; ``--no-malloc-retain``: glibc's defaults), every peer alike.
 Achieved model FLOP/s are reported against a GEMM peak sampled in every
 round beside the steps (in the compute dtype; the median of each round's
 best of 3) and, on a GPU whose dense bf16 peak is published (H100/H200:
