@@ -40,7 +40,7 @@ Params (``moe_params``)::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import attrs
 import torch
@@ -114,6 +114,9 @@ class MoEConfig:
             )
         if self.topk_groups > self.n_groups:
             raise ValueError(f"MoEConfig: topk_groups={self.topk_groups} exceeds n_groups={self.n_groups}")
+        if self.float8_experts and self.batch_invariant:  # the invariant experts have no float8 path
+            raise ValueError("MoEConfig: float8_experts=True with batch_invariant=True: an expert's float8 scales "
+                             "are taken over its rows, which depend on the batch; use float8_experts=False")
         per_group = self.n_experts // self.n_groups
         if self.n_groups > 1 and (per_group < 2 or self.top_k > self.topk_groups * per_group):
             raise ValueError(
@@ -253,8 +256,12 @@ def experts_forward_invariant(
     return _swiglu_experts(x, offs, w1, w2, w3, mm=invariant_.grouped_mm, sigmoid=invariant_.sigmoid)
 
 
-# (x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3, *, float8) -> (M, D): the experts seam of moe()
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+class ExpertsFn(Protocol):
+    """The experts seam of :func:`moe`: ``(x (M, D) rows sorted by expert, offs (E,) int32, w1, w2, w3, *,
+    float8) -> (M, D)``; ``moe`` passes ``float8=cfg.float8_experts`` (the float8 grouped GEMMs)."""
+
+    def __call__(self, x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                 *, float8: bool = False) -> torch.Tensor: ...  # fmt: skip
 
 
 def experts_reference(x: torch.Tensor, routing: Routing, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor):

@@ -471,6 +471,10 @@ def test_float8_experts_errors(monkeypatch):
         attrs.evolve(tiny_config("qwen3_moe"), float8_experts=True, expert_dim=24)
     with pytest.raises(ValueError, match=r"deepseek_v3.*float8_experts.*batch_invariant.*float8_experts=False"):
         attrs.evolve(tiny_config("deepseek_v3"), float8_experts=True, attn_impl="batch_invariant")
+    from ftitan.nn.moe import MoEConfig  # a MoEConfig built by hand too: the invariant experts have no float8 path
+
+    with pytest.raises(ValueError, match=r"MoEConfig: float8_experts=True with batch_invariant=True"):
+        MoEConfig(n_experts=4, top_k=2, expert_dim=16, batch_invariant=True, float8_experts=True)
     base = ft.config.get_recipe("qwen3-moe-debug")
     monkeypatch.setattr(runtime, "resolve_device", lambda *a, **k: torch.device("cuda", 0))
     monkeypatch.setattr(runtime, "resolve_backend", lambda *a, **k: "nccl")
