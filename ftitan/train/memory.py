@@ -96,9 +96,11 @@ def retain_freed_memory() -> dict[str, int]:
     threshold, 128 KiB at first and raised as such blocks are freed) or when it lies in free memory at the
     heap's top past the trim threshold (twice the mmap threshold); the next allocation of it maps fresh,
     zeroed pages, a page fault per 4 KiB. A training step frees its activations and gradients and allocates
-    them again in the next step, so every step touched them as new pages: the CPU benchmark step
-    (``ftitan bench step``, 1.1 s) took ~70,000 minor page faults and 0.14 s of system time per step, ~7% of
-    its wall time, and ~30 faults with these settings (docs/compile-and-memory.md). The cost: the process
+    them again in the next step, so every step touched them as new pages: the CPU benchmark's compiled step
+    (``ftitan bench step``'s ftitan-compiled, trained alone in a process) took ~70,000 minor page faults and
+    0.14 s of system time per 1.1 s step, and ran ~7% faster with these settings (~30 faults a step;
+    docs/compile-and-memory.md: whether a process faults under glibc's defaults depends on what else it
+    allocated). The cost: the process
     keeps its peak heap (up to 1 GiB of free memory at its top) instead of shrinking between steps; blocks
     over 32 MiB are still mapped on their own. ``ftitan train`` and ``ftitan rl`` call it for CPU runs
     (``--malloc-retain``; ``ftitan.train.runtime.setup``)."""
