@@ -102,6 +102,10 @@ class Options:
     """The ftitan peers' model kernels (``--model.kernels``, as ``ftitan train --kernels``): "triton"
     (``ftitan.kernels``: Triton on CUDA; on the CPU the linear layers' GEMMs in oneDNN and the other
     kernels' references) or "torch" (plain ops); not "torch": gradients by the step's autograd path."""
+    attn_impl: str = "gemm"
+    """The ftitan peers' attention (``--model.attn-impl``, ``ftitan.nn.attention``): "gemm" (causal query
+    blocks as GEMMs on the CPU, faster there than SDPA's flash kernel up to 1024 tokens a row; "sdpa"
+    elsewhere), "sdpa", "math", "flex" or "auto". The HF and TorchTitan peers run SDPA."""
     float8: str = ""
     """FP8 training of the ftitan peers' block projections: "tensorwise" or "rowwise" (torchao's recipes,
     ``ftitan train --float8``; float8 GEMMs on CUDA 8.9+, emulated elsewhere), "" none. Model FLOP/s are
@@ -161,6 +165,7 @@ def ftitan_step(
     batches: Iterator[dict[str, torch.Tensor]] | None = None,
     kernels: str = "torch",
     float8: str = "",
+    attn_impl: str = "sdpa",
 ) -> Callable[[], float]:
     """The ftitan peer: the pure step, state carried between calls by the caller's loop.
 
@@ -169,12 +174,14 @@ def ftitan_step(
     ``kernels``: the model config's; other than "torch", gradients by the autograd path, as
     ``ftitan train`` takes them (``ftitan.kernels`` step aside for their references under ``torch.func``).
     ``float8``: the model config's recipe (``ftitan.nn.float8``), likewise on the autograd path.
+    ``attn_impl``: the model config's (``ftitan.nn.attention``).
     """
     import ftitan as ft
     from ftitan.models import llama
     from ftitan.train.runtime import gradient_path, step_options
 
-    fast_paths = ft.config.compose(ft.config.with_kernels(kernels), ft.config.with_float8(float8))
+    fast_paths = ft.config.compose(ft.config.with_kernels(kernels), ft.config.with_float8(float8),
+                                   ft.config.with_attn_impl(attn_impl))  # fmt: skip
     model = llama.model(fast_paths(_llama_config(cfg)))
     params = model.init(ft.random.key(seed), device=device)
     opt = ft.optim.adamw(
@@ -228,19 +235,20 @@ def _streaming(cfg: dict[str, Any], source: Any, tok: Any) -> Iterator[dict[str,
 
 def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
            loader: tuple[Any, Any] | None = None, kernels: str = "torch",
-           float8: str = "") -> Callable[[], float]:  # fmt: skip
+           float8: str = "", attn_impl: str = "sdpa") -> Callable[[], float]:  # fmt: skip
     if name.endswith(BF16):
-        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, kernels, float8)
+        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, kernels, float8, attn_impl)
     if name == STREAMING_PEER:
         assert loader is not None
         return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader),
-                           kernels=kernels, float8=float8)  # fmt: skip
+                           kernels=kernels, float8=float8, attn_impl=attn_impl)  # fmt: skip
     family, _, mode = name.rpartition("-")
     compile = mode == "compiled"
     if mode not in ("eager", "compiled"):
         raise ValueError(f"unknown peer {name!r}; peers end in -eager or -compiled")
     if family == "ftitan":
-        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, kernels=kernels, float8=float8)
+        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, kernels=kernels, float8=float8,
+                           attn_impl=attn_impl)  # fmt: skip
     if family == "hf":
         autocast = dtype if dtype != torch.float32 else None
         return peers.hf_llama_step(cfg, compile=compile, adamw_impl="fused", device=device, autocast_dtype=autocast)
@@ -343,7 +351,9 @@ def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
         loader = streaming_loader(cfg, Path(tmp)) if STREAMING_PEER in names else None
         steps: dict[str, Callable[[], Any]] = {
-            n: _build(n, cfg, device, dtype, loader, opts.kernels, opts.float8) for n in names if n not in skipped
+            n: _build(n, cfg, device, dtype, loader, opts.kernels, opts.float8, opts.attn_impl)
+            for n in names
+            if n not in skipped
         }
         # the GEMM peaks, sampled in every round beside the steps (their rows' denominators)
         # --quick is a smoke run: a small probe (a 2048^3 bf16 GEMM where the CPU lacks AVX512-BF16 is emulated,
@@ -392,7 +402,7 @@ def run(opts: Options) -> dict[str, Any]:
         "config": cfg | {"model": "quick" if opts.quick else opts.model, "dtype": "float32",
                          "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels,
-                         "float8": opts.float8, "malloc_retain": malloc},  # fmt: skip
+                         "attn_impl": opts.attn_impl, "float8": opts.float8, "malloc_retain": malloc},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak

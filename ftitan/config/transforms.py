@@ -83,7 +83,8 @@ def with_max_seq_len(n: int) -> ModelTransform:
 
 
 def with_attn_impl(impl: str) -> ModelTransform:
-    """Transform choosing the attention kernel ("sdpa", "math", or "batch_invariant": see :func:`batch_invariant`)."""
+    """Transform choosing the attention kernel (``ftitan.nn.attention``): "sdpa", "math", "flex", "gemm" (causal
+    query blocks as GEMMs on the CPU), "auto", or "batch_invariant" (see :func:`batch_invariant`)."""
     return with_model_fields(attn_impl=impl)
 
 

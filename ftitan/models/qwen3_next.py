@@ -108,7 +108,7 @@ class Config:
     rope_theta: float = 10_000_000.0  # RoPE base
     max_seq_len: int = 262_144  # HF max_position_embeddings
     tie_embeddings: bool = False  # output head reuses the embedding table
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math", "flex" or "auto" (nn.attention) for the full-attention layers
+    attn_impl: AttentionImpl = "sdpa"  # nn.attention's, but batch_invariant: the full-attention layers'
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
     chunk: int = 64  # tokens per chunk of the chunked delta rule (training, prefill)

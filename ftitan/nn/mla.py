@@ -82,7 +82,7 @@ class MLAConfig:
     rope_scaling: YarnRopeScaling | None = None  # YaRN context extension (also scales the softmax), or None
     rope_interleave: bool = True  # rope dims stored as interleaved pairs (DeepSeek checkpoints); False: rotate-half
     latent_norm_eps: float = 1e-6  # epsilon of the q/kv latent RMSNorms (fixed 1e-6 in DeepSeek's and HF's code)
-    attn_impl: AttentionImpl = "sdpa"  # "sdpa", "math" (explicit fp32 softmax), "batch_invariant", "flex", "auto"
+    attn_impl: AttentionImpl = "sdpa"  # nn.attention: "sdpa", "math", "batch_invariant", "flex", "gemm", "auto"
     kernels: str = "torch"  # "triton": latent norms and RoPE by ftitan.kernels (Triton on CUDA, references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the projections in float8 (ftitan.nn.float8)
 

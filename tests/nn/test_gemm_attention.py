@@ -1,0 +1,159 @@
+"""``attn_impl="gemm"``: causal query blocks as GEMMs agree with a float64 reference, differentiate under
+autograd, ``torch.func`` and ``torch.compile``, and run SDPA wherever they do not apply."""
+
+import importlib
+
+import attrs
+import pytest
+import torch
+
+import ftitan as ft
+from ftitan import nn
+from ftitan import tree as T
+from ftitan.models import llama
+
+A = importlib.import_module("ftitan.nn.attention")  # the module (``ftitan.nn.attention`` is also the function)
+
+
+def reference(q, k, v):
+    # float64, K/V repeated per query head (HF's repeat_kv), the causal mask written out
+    q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    t = q.shape[2]
+    scores = scores.masked_fill(torch.arange(t)[None, :] > torch.arange(t)[:, None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def qkv(b=2, t=130, h=4, kv=2, dh=16, dv=None, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(b, t, h, dh, generator=g).to(dtype),
+        torch.randn(b, t, kv, dh, generator=g).to(dtype),
+        torch.randn(b, t, kv, dv or dh, generator=g).to(dtype),
+    )
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls that ran the blocked GEMMs (not the SDPA fallback)."""
+    calls = []
+    real = A._gemm
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(A, "_gemm", counted)
+    return calls
+
+
+# T 130: two whole blocks of 64 and a partial one; T 5: one partial block; GQA 4/2, 4/1, MHA, Dv < Dh
+@pytest.mark.parametrize("t,h,kv,dv", [(130, 4, 2, None), (130, 4, 1, 8), (64, 3, 3, None), (5, 6, 2, None)])
+def test_matches_reference(spy, t, h, kv, dv):
+    q, k, v = qkv(t=t, h=h, kv=kv, dv=dv)
+    want = reference(q, k, v)
+    torch.testing.assert_close(nn.attention(q, k, v, impl="gemm"), want.float(), rtol=0, atol=1e-5)
+    q64, k64, v64 = (x.double() for x in (q, k, v))  # float64: the same function to rounding
+    torch.testing.assert_close(nn.attention(q64, k64, v64, impl="gemm"), want, rtol=0, atol=1e-12)
+    assert len(spy) == 2  # the GEMM path ran, not the SDPA fallback
+
+
+def test_bfloat16_matches_math(spy):
+    # both round the scores' GEMM to bf16 and softmax in float32
+    q, k, v = qkv(dtype=torch.bfloat16)
+    got = nn.attention(q, k, v, impl="gemm")
+    assert got.dtype == torch.bfloat16 and len(spy) == 1
+    torch.testing.assert_close(got.float(), nn.attention(q, k, v, impl="math").float(), rtol=0, atol=2e-2)
+
+
+def test_gradients_match_reference_and_gradcheck(monkeypatch):
+    q, k, v = qkv(t=130)
+    w = torch.linspace(-1, 1, q.numel()).view_as(q)
+    grads = {}
+    for name, fn in (("gemm", lambda *x: nn.attention(*x, impl="gemm")), ("ref", reference)):
+        xs = [x.double().clone().requires_grad_() if name == "ref" else x.clone().requires_grad_() for x in (q, k, v)]
+        (fn(*xs) * w).sum().backward()
+        grads[name] = [x.grad for x in xs]
+    for a, b in zip(grads["gemm"], grads["ref"], strict=True):
+        torch.testing.assert_close(a, b.float(), rtol=0, atol=2e-5)
+    monkeypatch.setattr(A, "GEMM_BLOCK", 3)  # 4 blocks of a 10-token row, small enough for finite differences
+    xs = [x.double().requires_grad_() for x in qkv(b=1, t=10, h=2, kv=1, dh=4)]
+    assert torch.autograd.gradcheck(lambda *x: nn.attention(*x, impl="gemm"), xs)
+
+
+def test_functional_transforms_run_it_as_plain_ops(spy):
+    # grad, vmap and jvp see matmuls and a softmax: no fallback needed, the values of the math form
+    q, k, v = (x.double() for x in qkv(t=70))
+    f = lambda q: nn.attention(q, k, v, impl="gemm")  # noqa: E731
+    m = lambda q: nn.attention(q, k, v, impl="math")  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(lambda q: f(q).pow(2).sum())(q),
+                               torch.func.grad(lambda q: m(q).pow(2).sum())(q), rtol=0, atol=1e-12)  # fmt: skip
+    tangent = torch.randn_like(q)
+    torch.testing.assert_close(torch.func.jvp(f, (q,), (tangent,))[1], torch.func.jvp(m, (q,), (tangent,))[1],
+                               rtol=0, atol=1e-12)  # fmt: skip
+    rows = torch.func.vmap(lambda q, k, v: nn.attention(q[None], k[None], v[None], impl="gemm")[0])(q, k, v)
+    torch.testing.assert_close(rows, m(q), rtol=0, atol=1e-12)
+    assert len(spy) == 3  # once under each transform: none fell back
+
+
+def test_compiled_fullgraph_forward_and_backward():
+    q, k, v = qkv(t=130)
+
+    def loss(q, k, v):
+        return nn.attention(q, k, v, impl="gemm").sin().sum()
+
+    eager = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.compile(loss, fullgraph=True)(*xs).backward()
+    for a, b in zip(eager, (x.grad for x in xs), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+
+
+def test_sdpa_runs_where_it_does_not_apply(spy):
+    # a window, a mask, documents, fewer queries than keys (a KV cache), rows past GEMM_MAX_SEQ, too many
+    # saved bytes: the outputs are SDPA's, bit for bit, and the GEMM path never ran
+    q, k, v = qkv(t=12)
+    seg = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    for kw in ({"window": 4}, {"segments": seg}, {"prefix": 3}):
+        assert torch.equal(nn.attention(q, k, v, impl="gemm", **kw), nn.attention(q, k, v, impl="sdpa", **kw))
+    mask = torch.rand(12, 12, generator=torch.Generator().manual_seed(1)) < 0.7
+    mask |= torch.eye(12, dtype=torch.bool)
+    assert torch.equal(nn.attention(q, k, v, impl="gemm", causal=False, mask=mask),
+                       nn.attention(q, k, v, impl="sdpa", causal=False, mask=mask))  # fmt: skip
+    assert torch.equal(nn.attention(q[:, -3:], k, v, impl="gemm"), nn.attention(q[:, -3:], k, v, impl="sdpa"))
+    assert not A.gemm_applies(*qkv(b=1, t=A.GEMM_MAX_SEQ + 1, h=1, kv=1, dh=1)[:2])
+    assert A.gemm_applies(*qkv(b=1, t=A.GEMM_MAX_SEQ, h=1, kv=1, dh=1)[:2])
+    wide = torch.empty(64, A.GEMM_MAX_SEQ, 32, 8)  # 64 rows of 32 heads at 1024: 1.1 GiB of probabilities
+    assert not A.gemm_applies(wide, wide[:, :, :8])
+    assert not A.gemm_applies(*(x.to(torch.int64) for x in qkv(t=4)[:2]))
+    assert spy == []
+
+
+def test_auto_runs_it_on_the_cpu(spy):
+    q, k, v = qkv(t=70)
+    assert torch.equal(nn.attention(q, k, v, impl="auto"), nn.attention(q, k, v, impl="gemm"))
+    assert len(spy) == 2
+
+
+def test_llama_step_with_gemm_attention(monkeypatch):
+    # a model config transform: logits and gradients of the SDPA model's to float32 rounding, and the train
+    # step's torch.func and autograd paths give identical gradients (plain ops on both)
+    monkeypatch.setattr(A, "GEMM_BLOCK", 4)  # 12 tokens in 3 blocks
+    base = attrs.evolve(llama.Config.debug(), vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                        ffn_dim=48, max_seq_len=16)  # fmt: skip
+    gemm, sdpa = (llama.model(ft.config.with_attn_impl(impl)(base)) for impl in ("gemm", "sdpa"))
+    assert gemm.config.attn_impl == "gemm"
+    params = gemm.init(ft.random.key(0))
+    tokens = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    torch.testing.assert_close(gemm.apply(params, batch["inputs"]), sdpa.apply(params, batch["inputs"]),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    g_func, (l_func, _) = ft.train.value_and_grad(ft.train.next_token_loss(gemm), impl="func")(params, batch)
+    g_auto, (l_auto, _) = ft.train.value_and_grad(ft.train.next_token_loss(gemm), impl="autograd")(params, batch)
+    g_sdpa, _ = ft.train.value_and_grad(ft.train.next_token_loss(sdpa), impl="autograd")(params, batch)
+    assert torch.equal(l_func, l_auto)
+    for path, a, b, c in zip(T.paths(g_func), T.leaves(g_func), T.leaves(g_auto), T.leaves(g_sdpa), strict=True):
+        assert torch.equal(a, b), path
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6, msg=path)
