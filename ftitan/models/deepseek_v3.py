@@ -140,7 +140,8 @@ class Config:
     rope_interleave: bool = True  # rope dims stored as interleaved pairs, as in every DeepSeek/Kimi checkpoint
     max_seq_len: int = 4096  # longest sequence the model is meant for (HF max_position_embeddings)
     # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
-    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    # SDPA with the same mask where it cannot run), "gemm" (causal query blocks as GEMMs on the CPU, else sdpa),
+    # "auto" (flex on CUDA under torch.compile, gemm on the CPU, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)

@@ -72,7 +72,8 @@ class Config:
     max_seq_len: int = 8192  # longest sequence the model is meant for (HF max_position_embeddings)
     tie_embeddings: bool = False  # output head reuses the embedding table (Llama 3.2 1B/3B)
     # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
-    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    # SDPA with the same mask where it cannot run), "gemm" (causal query blocks as GEMMs on the CPU, else sdpa),
+    # "auto" (flex on CUDA under torch.compile, gemm on the CPU, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)

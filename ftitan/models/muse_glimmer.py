@@ -106,7 +106,8 @@ class Config:
     post_norm_eps: float = 1e-8  # eps of the post-attention and post-MLP norms
     max_seq_len: int = 131_072  # longest sequence the model is meant for (HF max_position_embeddings)
     # "sdpa", "math" (explicit fp32 softmax), "batch_invariant" (all ops, nn.invariant), "flex" (FlexAttention,
-    # SDPA with the same mask where it cannot run), "auto" (flex on CUDA under torch.compile, else sdpa)
+    # SDPA with the same mask where it cannot run), "gemm" (causal query blocks as GEMMs on the CPU, else sdpa),
+    # "auto" (flex on CUDA under torch.compile, gemm on the CPU, else sdpa)
     attn_impl: AttentionImpl = "sdpa"
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
