@@ -1,6 +1,6 @@
 """Scaled dot-product attention with grouped-query heads (GQA, Ainslie et al. 2023).
 
-Three implementations that agree to float32 rounding:
+Implementations that agree to float32 rounding:
 
 - ``"sdpa"``: ``F.scaled_dot_product_attention`` (fused kernels where the
   backend has them; ``enable_gqa`` so K/V are never repeated in memory).
@@ -63,6 +63,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ftitan.kernels.autodiff import plain_reverse_mode
 from ftitan.nn import flex, invariant
@@ -209,16 +210,17 @@ def gemm_applies(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, mask:
     ``"sdpa"``): plain (not DTensor) floating-point CPU tensors, the plain causal rule (no mask, window,
     documents or prefix) with as many queries as keys, at most :data:`GEMM_MAX_SEQ` of them, and at most
     :data:`GEMM_MAX_SAVED` bytes of probabilities saved. Decided from shapes, device and dtype: a
-    compile-time choice."""
-    b, t, h = q.shape[0], q.shape[1], q.shape[2]
-    s = k.shape[1]
-    if not causal or mask is not None or t != s or t > GEMM_MAX_SEQ:
+    compile-time choice. Sizes that ``torch.compile`` made dynamic decide nothing (``statically_known_true``
+    adds no guard): such a graph runs SDPA, which serves every length, where the blocks' loop would
+    specialize on each length and recompile."""
+    if not causal or mask is not None:
         return False
     if q.device.type != "cpu" or not q.is_floating_point() or not (type(q) is type(k) is torch.Tensor):
         return False
+    b, t, h = q.shape[0], q.shape[1], q.shape[2]
     saved = b * h * t * (t + GEMM_BLOCK) // 2  # the probabilities of every block
     per = 4 + (q.element_size() if q.dtype != torch.float32 else 0)  # float32 softmax output and its cast
-    return saved * per <= GEMM_MAX_SAVED
+    return all(statically_known_true(c) for c in (t == k.shape[1], t <= GEMM_MAX_SEQ, saved * per <= GEMM_MAX_SAVED))
 
 
 def _check_packed(

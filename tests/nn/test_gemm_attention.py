@@ -111,6 +111,21 @@ def test_compiled_fullgraph_forward_and_backward():
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
 
 
+def test_dynamic_lengths_under_compile_run_sdpa(spy):
+    # a graph with symbolic lengths cannot loop over their blocks without specializing: it runs SDPA, one
+    # graph for every length (no recompile); static lengths run the blocks
+    dynamic = torch.compile(lambda q, k, v: nn.attention(q, k, v, impl="gemm"), dynamic=True, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in (70, 130):
+            q, k, v = qkv(t=t)
+            torch.testing.assert_close(dynamic(q, k, v), reference(q, k, v).float(), rtol=0, atol=1e-5)
+    assert spy == []
+    static = torch.compile(lambda q, k, v: nn.attention(q, k, v, impl="gemm"), dynamic=False, fullgraph=True)
+    q, k, v = qkv(t=70)
+    torch.testing.assert_close(static(q, k, v), reference(q, k, v).float(), rtol=0, atol=1e-5)
+    assert len(spy) >= 1
+
+
 def test_sdpa_runs_where_it_does_not_apply(spy):
     # a window, a mask, documents, fewer queries than keys (a KV cache), rows past GEMM_MAX_SEQ, too many
     # saved bytes: the outputs are SDPA's, bit for bit, and the GEMM path never ran
