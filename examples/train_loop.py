@@ -1,7 +1,7 @@
 """The training loop as function composition: a byte-level Llama on real text.
 
     python examples/train_loop.py [--steps 200] [--optimizer adamw|muon] [--no-compile] [--kernels triton]
-                                  [--float8 tensorwise|rowwise]
+                                  [--float8 tensorwise|rowwise] [--attn-impl gemm]
 
 Trains ``llama.Config.debug()`` (vocab 256: one token per byte) on the source
 of ``torch/__init__.py``; loss falls from ln(256) ~ 5.5 in a few dozen steps.
@@ -10,6 +10,8 @@ layers' GEMMs in oneDNN), differentiated on the autograd path they need (``gradi
 config's ``step_options``, as ``ftitan train`` picks it).
 ``--float8 rowwise``: the blocks' projections in float8 by that torchao recipe (float8 GEMMs on an H100-class
 GPU, torchao's emulation elsewhere; ``ftitan.nn.float8``), on the autograd path too.
+``--attn-impl gemm``: causal attention as GEMMs over 64-query blocks on the CPU (``ftitan.nn.attention``;
+faster there than SDPA's flash kernel for rows of a few hundred tokens; SDPA elsewhere).
 """
 
 import argparse
@@ -28,10 +30,12 @@ parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
 parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
 parser.add_argument("--float8", choices=["", "tensorwise", "rowwise"], default="")
+parser.add_argument("--attn-impl", choices=["sdpa", "gemm", "math", "flex", "auto"], default="sdpa")
 args = parser.parse_args()
 
 data = torch.tensor(list(pathlib.Path(torch.__file__).read_bytes()), dtype=torch.long)
-model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256, kernels=args.kernels, float8=args.float8))
+model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256, kernels=args.kernels, float8=args.float8,
+                                 attn_impl=args.attn_impl))
 params = model.init(ft.random.key(0))
 lr = ft.optim.warmup_cosine(3e-3, warmup=args.steps // 10, total=args.steps)
 if args.optimizer == "muon":  # Muon on hidden matrices, AdamW on embeddings/head/norms

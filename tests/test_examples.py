@@ -30,13 +30,15 @@ def _run(args: list[str], *, timeout: int, ranks: int = 0) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("optimizer, kernels, float8", [("adamw", "triton", ""),
-                                                        pytest.param("adamw", "torch", "", marks=SLOW),
-                                                        pytest.param("muon", "torch", "", marks=SLOW),
-                                                        pytest.param("adamw", "torch", "rowwise", marks=SLOW)])  # fmt: skip
-def test_train_loop_example_trains(optimizer, kernels, float8):
+@pytest.mark.parametrize("optimizer, kernels, float8, attn", [("adamw", "triton", "", "gemm"),
+                                                              pytest.param("adamw", "torch", "", "sdpa", marks=SLOW),
+                                                              pytest.param("muon", "torch", "", "sdpa", marks=SLOW),
+                                                              pytest.param("adamw", "torch", "rowwise", "sdpa",
+                                                                           marks=SLOW)])  # fmt: skip
+def test_train_loop_example_trains(optimizer, kernels, float8, attn):
     out = _run([str(ROOT / "examples" / "train_loop.py"), "--steps", "40", "--optimizer", optimizer,
-                "--kernels", kernels, "--float8", float8, "--no-compile"], timeout=300)  # fmt: skip
+                "--kernels", kernels, "--float8", float8, "--attn-impl", attn, "--no-compile"],
+               timeout=300)  # fmt: skip
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 5, out
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
