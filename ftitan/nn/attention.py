@@ -23,8 +23,8 @@ Implementations that agree to float32 rounding:
   block against only the keys it can see (the keys after the block are never multiplied), its scores
   materialized and softmaxed in float32 (:func:`gemm_applies` says where: on the CPU, a plain causal
   mask with as many queries as keys, up to :data:`GEMM_MAX_SEQ` of them). On the CPU at such lengths
-  it is faster than SDPA's flash kernel (whose key blocks span the whole short sequence, so it skips
-  nothing of the causal triangle and runs small GEMMs): forward and backward of B 4, T 256, 8/2
+  it is faster than SDPA's flash kernel (whose causal forward there takes as long as its non-causal
+  one, at a third of a batched GEMM's FLOP/s): forward and backward of B 4, T 256, 8/2
   heads of 64, compiled, 8.7-10.9 ms against 12.8-14.0 in float32, 5.7 against 15.0 in bfloat16
   (docs/kernels.md). It saves a layer's probabilities for backward (``B H T (T + 64) / 2``
   elements, capped at :data:`GEMM_MAX_SAVED` bytes), where the flash kernel saves one float a row.
