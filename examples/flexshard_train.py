@@ -77,4 +77,4 @@ if main:
         lp = plan.leaves[path]
         where = f"owner rank {lp.owner}" if lp.owner is not None else f"rows {[hi - lo for lo, hi in lp.rows]}"
         print(f"{path:20s} {type(lp.placement).__name__:10s} {where}")
-parallel.shutdown()
+parallel.end_rank()  # shutdown, then exit without finalization (ftitan.parallel.end_rank)

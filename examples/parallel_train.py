@@ -51,4 +51,4 @@ if main:
     dump = parallel.dump(ft.tree.map(parallel.sharding_of, state.params))
     for path in ("embed", "layers.0.attn.wq", "layers.0.attn.wo", "layers.0.attn_norm"):
         print(f"{path:20s} {dump[path]}")
-parallel.shutdown()
+parallel.end_rank()  # shutdown, then exit without finalization (ftitan.parallel.end_rank)

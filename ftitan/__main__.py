@@ -246,5 +246,21 @@ def _dispatch(argv: list[str]) -> int:
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 
 
+def _exit(rc: int) -> None:
+    """Exit with ``rc``; a rank that ``torchrun`` launched (``TORCHELASTIC_RUN_ID`` set) and that ran a
+    ``ftitan train`` / ``ftitan rl`` to a successful end (rc 0) leaves through ``ftitan.parallel.end_rank``:
+    no interpreter finalization, in which gloo's threads could abort a finished run (its files are closed
+    by then: the trainer joins its checkpoint writes, closes its metrics and leaves the process group).
+    Anything else, a failed run included: ``sys.exit``."""
+    if rc == 0 and "TORCHELASTIC_RUN_ID" in os.environ and sys.argv[1:2] in (["train"], ["rl"]):
+        import logging
+
+        from ftitan import parallel
+
+        logging.shutdown()
+        parallel.end_rank(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

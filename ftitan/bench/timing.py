@@ -305,19 +305,12 @@ def rank_spec() -> dict[str, Any] | None:
 
 
 def end_rank() -> NoReturn:
-    """End a launched rank after its worker returned (past ``parallel.shutdown``'s barrier, so every rank is
-    done talking): flush what it printed and ``os._exit(0)``, skipping the interpreter's finalization.
+    """End a launched benchmark rank after its worker returned: ``ftitan.parallel.end_rank`` (shutdown, flush,
+    ``os._exit(0)``, no interpreter finalization for gloo's threads to abort in). :func:`launch_ranks` sets
+    ``PYTHONFAULTHANDLER``, so an abort before this point prints the rank's Python stacks."""
+    from ftitan import parallel
 
-    Why: in two fresh-clone suite runs one rank of ``bench flexshard --quick`` aborted with "terminate called
-    without an active exception", seconds after its parts' last collectives (not reproduced alone). The
-    likely cause is the one pytorch/pytorch#179291 names for gloo: a C++ thread that takes the GIL while the
-    interpreter finalizes is ended by CPython with ``pthread_exit``, whose unwinding through a ``noexcept``
-    frame calls ``std::terminate``. A rank has nothing left to clean: its results went to stdout and its
-    process group is destroyed; :func:`launch_ranks` sets ``PYTHONFAULTHANDLER``, so an abort before this
-    point prints the rank's Python stacks."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    parallel.end_rank(0)
 
 
 def report(tag: str, name: str, result: Mapping[str, Any]) -> None:

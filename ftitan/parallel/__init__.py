@@ -21,7 +21,7 @@ See docs/parallelism.md.
 
 from ftitan.parallel import activations, collectives, expert
 from ftitan.parallel.activations import cp_positions, shard_as
-from ftitan.parallel.dims import AXES, DATA_AXES, ParallelDims, mesh, shutdown
+from ftitan.parallel.dims import AXES, DATA_AXES, ParallelDims, end_rank, mesh, shutdown
 from ftitan.parallel.init import init_params
 from ftitan.parallel.layout import Layout, current, use
 from ftitan.parallel.pipeline import pipeline_grad, schedule_actions, stage_layers, stage_params
@@ -43,6 +43,7 @@ __all__ = [
     "current",
     "default_rules",
     "dump",
+    "end_rank",
     "expert",
     "from_local",
     "on_shards",
@@ -64,5 +65,4 @@ __all__ = [
     "stage_params",
     "to_local",
     "unshard",
-    "use",
-]
+    "use",]

@@ -18,13 +18,16 @@ axis and code never asks whether an axis exists.
 from __future__ import annotations
 
 import math
+import os
+import sys
+from typing import NoReturn
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["AXES", "DATA_AXES", "ParallelDims", "mesh", "shutdown"]
+__all__ = ["AXES", "DATA_AXES", "ParallelDims", "end_rank", "mesh", "shutdown"]
 
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 # axes whose ranks see different tokens: a replicated param's gradient is summed over them
@@ -113,3 +116,21 @@ def shutdown() -> None:
         dist.barrier()
         dist.destroy_process_group()
     _MESHES.clear()
+
+
+def end_rank(code: int = 0) -> NoReturn:
+    """End a launched rank's process once its work is done: :func:`shutdown` (the barrier, then the
+    process group destroyed), then flush stdout and stderr and ``os._exit(code)``, skipping the
+    interpreter's finalization. The last line of a script run by ``torchrun`` (it never returns).
+
+    Why: a rank that finished every collective and destroyed its process group could still abort at exit
+    with "terminate called without an active exception" (SIGABRT; torchrun then fails the whole run). In a
+    test run of ``examples/flexshard_train.py`` the faulthandler's dump showed the main thread with no
+    Python frame left: the abort came during finalization, as pytorch/pytorch#179291 describes for gloo (a
+    C++ thread that takes the GIL while the interpreter finalizes is ended with ``pthread_exit``, whose
+    unwinding through a ``noexcept`` frame calls ``std::terminate``). Whatever the rank wrote must be
+    closed or flushed by then (files, checkpoints); Python's ``atexit`` handlers do not run."""
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -326,6 +326,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from ftitan.bench.timing import end_rank
-
-    end_rank()  # past shutdown's barrier: no interpreter finalization for gloo's threads to abort in
+    parallel.end_rank()  # past shutdown's barrier: no interpreter finalization for gloo's threads to abort in
