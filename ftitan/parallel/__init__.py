@@ -65,4 +65,5 @@ __all__ = [
     "stage_params",
     "to_local",
     "unshard",
-    "use",]
+    "use",
+]
