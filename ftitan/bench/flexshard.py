@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if (rank_spec := timing.rank_spec()) is not None:
+        from ftitan import parallel
+
         _worker(rank_spec)
-        timing.end_rank()
+        parallel.end_rank()  # no interpreter finalization for gloo's threads to abort in (docs/parallelism.md)
     else:
         sys.exit(main())

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -29,7 +29,6 @@ from ftitan import _cache
 __all__ = [
     "cli",
     "emit",
-    "end_rank",
     "launch_ranks",
     "rank_spec",
     "report",
@@ -302,15 +301,6 @@ def rank_spec() -> dict[str, Any] | None:
     """The spec :func:`launch_ranks` handed this process, when it is one of the launched ranks; else None."""
     text = os.environ.get(SPEC_ENV)
     return json.loads(text) if text is not None and "RANK" in os.environ else None
-
-
-def end_rank() -> NoReturn:
-    """End a launched benchmark rank after its worker returned: ``ftitan.parallel.end_rank`` (shutdown, flush,
-    ``os._exit(0)``, no interpreter finalization for gloo's threads to abort in). :func:`launch_ranks` sets
-    ``PYTHONFAULTHANDLER``, so an abort before this point prints the rank's Python stacks."""
-    from ftitan import parallel
-
-    parallel.end_rank(0)
 
 
 def report(tag: str, name: str, result: Mapping[str, Any]) -> None:
