@@ -340,6 +340,10 @@ def run(opts: Options) -> dict[str, Any]:
     check_recipe(opts.float8, "--float8")
     if opts.mixed_precision not in DTYPES:
         raise ValueError(f"--mixed-precision={opts.mixed_precision!r}: expected one of {tuple(DTYPES)}")
+    from ftitan.nn.attention import IMPLS
+
+    if opts.attn_impl not in IMPLS:
+        raise ValueError(f"--attn-impl={opts.attn_impl!r}: expected one of {IMPLS}")
     device, dtype, cfg = resolve_device(opts.device), DTYPES[opts.mixed_precision], _config(opts)
     malloc = {}
     if device.type == "cpu" and opts.malloc_retain:

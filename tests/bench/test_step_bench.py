@@ -37,6 +37,7 @@ def test_quick_run_reports_results_ratios_and_goals(tmp_path, capsys):
     assert set(peak["by_library"]) == {"aten", "onednn"} and peak["library"] in peak["by_library"]
     assert peak["flops_per_s"] == max(peak["by_library"].values()) == peak["by_library"][peak["library"]]
     assert printed["config"]["kernels"] == "triton"  # the ftitan peers' default: ftitan.kernels (oneDNN GEMMs here)
+    assert printed["config"]["attn_impl"] == "gemm"  # and their attention: causal blocks as GEMMs on the CPU
     ours = res["ftitan-compiled"]
     assert abs(ours["model_flops_per_s"] - ours["tokens_per_s"] * printed["model_flops_per_token"]) <= 1e-6 * ours[
         "model_flops_per_s"]
@@ -78,6 +79,11 @@ def test_float8_runs_the_ftitan_peers_projections_in_float8(capsys, monkeypatch)
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="--model='llama9'"):
         step.run(step.Options(quick=True, model="llama9", peers=("ftitan-eager",)))
+
+
+def test_unknown_attention_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--attn-impl='flash'"):
+        step.run(step.Options(quick=True, attn_impl="flash", peers=("ftitan-eager",)))
 
 
 def test_streaming_loader_is_measured_beside_pretokenized_data(capsys):
