@@ -1,4 +1,5 @@
-"""``ftitan bench attention`` / ``python -m ftitan.bench.attention``: FlexAttention mask builds and forward.
+"""``ftitan bench attention`` / ``python -m ftitan.bench.attention``: FlexAttention mask builds and forward,
+and the CPU training backends.
 
 For each sequence length ``T`` (B rows, H query heads over KV key/value
 heads) it times, side by side and interleaved (``timing.time_steps``,
@@ -19,9 +20,17 @@ medians):
   ``sdpa`` with documents takes the (B, T, T) mask materialized from the
   same mask function, as ``nn.attention`` does.
 
-``ratios`` are ``flex/sdpa`` forward times (below 1: flex faster). There
-is no goal: on CPU this reports the cost of the masks; FlexAttention's
-speed is a GPU matter. Prints one JSON object (see DESIGN.md,
+- a training call (forward and backward, ``torch.autograd.grad`` of the
+  output against a fixed cotangent) of ``gemm`` vs ``sdpa`` for the masks a
+  CPU training run uses (``causal``, ``window``, ``document``), compiled like
+  ``flex`` (``--no-compile``: eager); ``gemm_ran`` records whether ``gemm``
+  ran its blocks at that length (``nn.gemm_applies``: up to
+  ``GEMM_MAX_SEQ`` keys) or SDPA.
+
+``ratios`` are ``flex/sdpa`` forward times and ``gemm/sdpa`` training
+times (below 1: the first faster). There is no goal: on CPU this reports
+the cost of the masks and of each backend; FlexAttention's speed is a GPU
+matter. Prints one JSON object (see DESIGN.md,
 "Benchmarks"); ``--out FILE`` also writes it.
 """
 
@@ -126,6 +135,35 @@ def _forward(b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generato
         return _ms(timing.time_steps(steps, tokens_per_step=b * t, warmup=opts.warmup, rounds=opts.rounds))
 
 
+TRAIN_KINDS = ("causal", "window", "document")
+
+
+def _train(b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generator) -> dict[str, float]:
+    """Median ms of a forward and backward of gemm and sdpa, for each of :data:`TRAIN_KINDS`."""
+    q = torch.randn(b, t, opts.heads, opts.head_dim, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, t, opts.kv_heads, opts.head_dim, generator=g, requires_grad=True) for _ in range(2))
+    cotangent = torch.randn(q.shape, generator=g)
+    masks = {"causal": {}, "window": {"window": opts.window}, "document": {"segments": seg}}
+
+    def step(impl: str, kind: str) -> Callable[[], Any]:
+        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return torch.autograd.grad(nn.attention(q, k, v, impl=impl, **masks[kind]), (q, k, v), cotangent)
+
+        if opts.compile:  # the forward compiled (its backward with it); the grad call stays outside the graph
+            inner = torch.compile(lambda q, k, v: nn.attention(q, k, v, impl=impl, **masks[kind]), fullgraph=True,
+                                  dynamic=False)  # fmt: skip
+
+            def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return torch.autograd.grad(inner(q, k, v), (q, k, v), cotangent)
+
+        return lambda: fn(q, k, v)
+
+    if opts.compile:  # six graphs of one code object a length: the lengths before are timed, drop theirs
+        torch._dynamo.reset()
+    steps = {f"{impl}-{kind}": step(impl, kind) for kind in TRAIN_KINDS for impl in ("gemm", "sdpa")}
+    return _ms(timing.time_steps(steps, tokens_per_step=b * t, warmup=opts.warmup, rounds=opts.rounds))
+
+
 def run(opts: Options) -> dict[str, Any]:
     """Run the benchmark and return its JSON-ready result."""
     size = QUICK if opts.quick else {k: getattr(opts, k) for k in QUICK}
@@ -145,9 +183,14 @@ def run(opts: Options) -> dict[str, Any]:
         seg = _segments(b, t, min(opts.docs, t), g)
         prefix = torch.randint(0, t, (b,), generator=g)
         fwd = _forward(b, t, shape, seg, g)
-        results[f"T={t}"] = {"block_mask": _builds(b, t, shape, seg, prefix), "forward_ms": fwd}
+        train = _train(b, t, shape, seg, g)
+        probe = torch.empty(b, t, shape.heads, shape.head_dim)
+        results[f"T={t}"] = {"block_mask": _builds(b, t, shape, seg, prefix), "forward_ms": fwd, "train_ms": train,
+                             "gemm_ran": nn.gemm_applies(probe, probe[:, :, : shape.kv_heads])}  # fmt: skip
         for kind in ("causal", "document"):
             ratios[f"flex/sdpa {kind} T={t}"] = fwd[f"flex-{kind}"] / fwd[f"sdpa-{kind}"]
+        for kind in TRAIN_KINDS:
+            ratios[f"gemm/sdpa train {kind} T={t}"] = train[f"gemm-{kind}"] / train[f"sdpa-{kind}"]
     return {
         "bench": "attention",
         "config": {**size, "window": opts.window, "docs": opts.docs, "compile": opts.compile, "dtype": "float32",

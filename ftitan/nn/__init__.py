@@ -12,7 +12,14 @@ A model collects layer specs into a tree shaped like its params, then
 layer's params from a key directly.
 """
 
-from ftitan.nn.attention import AttentionImpl, attention, causal_mask, document_mask, document_positions
+from ftitan.nn.attention import (
+    AttentionImpl,
+    attention,
+    causal_mask,
+    document_mask,
+    document_positions,
+    gemm_applies,
+)
 from ftitan.nn.embedding import EMBED_AXES, embed, embed_param, init_embed
 from ftitan.nn.linear import bias_param, init_linear, linear, linear_param
 from ftitan.nn import flex, float8, invariant, mla, moe
@@ -66,6 +73,7 @@ __all__ = [
     "embed_param",
     "flex",
     "float8",
+    "gemm_applies",
     "init",
     "init_embed",
     "init_linear",

@@ -1,5 +1,5 @@
 """``ftitan bench attention``: the JSON it prints has the shape DESIGN.md fixes, every mask kind's build is
-timed, and its ratios follow from the forward timings it reports."""
+timed, and its ratios follow from the forward and training timings it reports."""
 
 import json
 
@@ -10,7 +10,7 @@ from ftitan.bench import attention
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_quick_run_reports_mask_builds_and_forward_times(tmp_path, capsys):
+def test_quick_run_reports_mask_builds_forward_and_training_times(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # --no-compile: flex's eager form (an inductor compile per length would cost this test ~40 s)
     assert main(["bench", "attention", "--quick", "--no-compile", "--warmup", "1", "--rounds", "2",
@@ -28,6 +28,13 @@ def test_quick_run_reports_mask_builds_and_forward_times(tmp_path, capsys):
         assert set(fwd) == {"flex-causal", "sdpa-causal", "flex-document", "sdpa-document"}
         for kind in ("causal", "document"):
             assert printed["ratios"][f"flex/sdpa {kind} {t}"] == pytest.approx(fwd[f"flex-{kind}"] / fwd[f"sdpa-{kind}"])
+        train = r["train_ms"]
+        kinds = ("causal", "window", "document")
+        assert set(train) == {f"{impl}-{kind}" for impl in ("gemm", "sdpa") for kind in kinds}
+        assert all(ms > 0 for ms in train.values()) and r["gemm_ran"] is True  # 128 and 300 keys: the blocks
+        for kind in kinds:
+            assert printed["ratios"][f"gemm/sdpa train {kind} {t}"] == pytest.approx(
+                train[f"gemm-{kind}"] / train[f"sdpa-{kind}"])
     assert printed["goals"] == {} and printed["met"] is None
 
 

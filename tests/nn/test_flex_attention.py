@@ -184,9 +184,11 @@ def test_fallback_under_jvp_vmap_and_compiled_grad():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the compiled graph may fuse differently
 
 
-def test_auto_is_sdpa_on_cpu_and_runs_checks():
+def test_auto_is_gemm_on_cpu_and_runs_checks():
     q, k, v = qkv(2, 30, 30, 4, 2)
-    assert torch.equal(nn.attention(q, k, v, impl="auto", window=5), nn.attention(q, k, v, impl="sdpa", window=5))
+    auto = nn.attention(q, k, v, impl="auto", window=5)
+    assert torch.equal(auto, nn.attention(q, k, v, impl="gemm", window=5))
+    torch.testing.assert_close(auto, nn.attention(q, k, v, impl="sdpa", window=5), rtol=0, atol=1e-5)
     assert flex.runs(q, k, v)  # no grad needed here
     assert not flex.runs(q.requires_grad_(), k, v)
     with torch.no_grad():

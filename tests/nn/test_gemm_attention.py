@@ -1,5 +1,6 @@
-"""``attn_impl="gemm"``: causal query blocks as GEMMs agree with a float64 reference, differentiate under
-autograd, ``torch.func`` and ``torch.compile``, and run SDPA wherever they do not apply."""
+"""``attn_impl="gemm"``: causal query blocks as GEMMs (alone, windowed, over packed documents) agree with a
+float64 reference, differentiate under autograd, ``torch.func`` and ``torch.compile``, and run SDPA wherever
+they do not apply."""
 
 import importlib
 
@@ -15,15 +16,28 @@ from ftitan.models import llama
 A = importlib.import_module("ftitan.nn.attention")  # the module (``ftitan.nn.attention`` is also the function)
 
 
-def reference(q, k, v):
-    # float64, K/V repeated per query head (HF's repeat_kv), the causal mask written out
+def reference(q, k, v, *, window=None, segments=None):
+    # float64, K/V repeated per query head (HF's repeat_kv), the mask written out: causal, within the
+    # window (key j > query i - window), the same document
     q, k, v = (x.double().transpose(1, 2) for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    t = q.shape[2]
-    scores = scores.masked_fill(torch.arange(t)[None, :] > torch.arange(t)[:, None], float("-inf"))
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(q.shape[2])[None, :]
+    hidden = (j > i) | (j <= i - window if window is not None else torch.zeros_like(j > i))
+    hidden = hidden[None].expand(q.shape[0], -1, -1)
+    if segments is not None:
+        hidden = hidden | (segments[:, :, None] != segments[:, None, :])
+    scores = scores.masked_fill(hidden[:, None], float("-inf"))
     return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def packed(b, t, seed=0):
+    # (B, T) document ids: each row cut at random places (documents across block boundaries, one-token
+    # documents), ids not starting at 0 nor contiguous
+    g = torch.Generator().manual_seed(seed)
+    starts = (torch.rand(b, t, generator=g) < 0.08).cumsum(1)
+    return starts * 3 + 7
 
 
 def qkv(b=2, t=130, h=4, kv=2, dh=16, dv=None, dtype=torch.float32, seed=0):
@@ -60,6 +74,22 @@ def test_matches_reference(spy, t, h, kv, dv):
     assert len(spy) == 2  # the GEMM path ran, not the SDPA fallback
 
 
+# windows inside one block, across block edges, as wide as the row; documents; both (packed rows of a
+# sliding-window model): the keys before a block's window are skipped, the rest masked
+@pytest.mark.parametrize("window,docs", [(1, False), (5, False), (64, False), (70, False), (130, False),
+                                         (None, True), (20, True)])  # fmt: skip
+def test_windows_and_documents_match_reference(spy, window, docs):
+    q, k, v = qkv(t=130)
+    segments = packed(2, 130) if docs else None
+    want = reference(q, k, v, window=window, segments=segments)
+    got = nn.attention(q, k, v, impl="gemm", window=window, segments=segments)
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-5)
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    torch.testing.assert_close(nn.attention(q64, k64, v64, impl="gemm", window=window, segments=segments), want,
+                               rtol=0, atol=1e-12)  # fmt: skip
+    assert len(spy) == 2
+
+
 def test_bfloat16_matches_math(spy):
     # both round the scores' GEMM to bf16 and softmax in float32
     q, k, v = qkv(dtype=torch.bfloat16)
@@ -79,8 +109,10 @@ def test_gradients_match_reference_and_gradcheck(monkeypatch):
     for a, b in zip(grads["gemm"], grads["ref"], strict=True):
         torch.testing.assert_close(a, b.float(), rtol=0, atol=2e-5)
     monkeypatch.setattr(A, "GEMM_BLOCK", 3)  # 4 blocks of a 10-token row, small enough for finite differences
-    xs = [x.double().requires_grad_() for x in qkv(b=1, t=10, h=2, kv=1, dh=4)]
+    xs = [x.double().requires_grad_() for x in qkv(b=2, t=10, h=2, kv=1, dh=4)]
     assert torch.autograd.gradcheck(lambda *x: nn.attention(*x, impl="gemm"), xs)
+    segments = torch.tensor([[0] * 4 + [1] * 6, [5] * 2 + [6] * 7 + [8]])
+    assert torch.autograd.gradcheck(lambda *x: nn.attention(*x, impl="gemm", window=4, segments=segments), xs)
 
 
 def test_functional_transforms_run_it_as_plain_ops(spy):
@@ -98,17 +130,20 @@ def test_functional_transforms_run_it_as_plain_ops(spy):
     assert len(spy) == 3  # once under each transform: none fell back
 
 
-def test_compiled_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("packed_rows", [False, True])
+def test_compiled_fullgraph_forward_and_backward(spy, packed_rows):
     q, k, v = qkv(t=130)
+    kw = {"segments": packed(2, 130), "window": 40} if packed_rows else {}  # segments: a graph input
 
-    def loss(q, k, v):
-        return nn.attention(q, k, v, impl="gemm").sin().sum()
+    def loss(q, k, v, kw):
+        return nn.attention(q, k, v, impl="gemm", **kw).sin().sum()
 
-    eager = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    eager = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v, kw)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    torch.compile(loss, fullgraph=True)(*xs).backward()
+    torch.compile(loss, fullgraph=True)(*xs, kw).backward()
     for a, b in zip(eager, (x.grad for x in xs), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert len(spy) == 2  # eager and traced
 
 
 def test_dynamic_lengths_under_compile_run_sdpa(spy):
@@ -127,12 +162,12 @@ def test_dynamic_lengths_under_compile_run_sdpa(spy):
 
 
 def test_sdpa_runs_where_it_does_not_apply(spy):
-    # a window, a mask, documents, fewer queries than keys (a KV cache), rows past GEMM_MAX_SEQ, too many
-    # saved bytes: the outputs are SDPA's, bit for bit, and the GEMM path never ran
+    # a prefix-LM (not a refinement of causal), a mask, fewer queries than keys (a KV cache), rows past
+    # GEMM_MAX_SEQ, too many saved bytes: the outputs are SDPA's, bit for bit, and the GEMM path never ran
     q, k, v = qkv(t=12)
-    seg = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
-    for kw in ({"window": 4}, {"segments": seg}, {"prefix": 3}):
-        assert torch.equal(nn.attention(q, k, v, impl="gemm", **kw), nn.attention(q, k, v, impl="sdpa", **kw))
+    for prefix in (3, torch.tensor([2, 5])):
+        assert torch.equal(nn.attention(q, k, v, impl="gemm", prefix=prefix),
+                           nn.attention(q, k, v, impl="sdpa", prefix=prefix))  # fmt: skip
     mask = torch.rand(12, 12, generator=torch.Generator().manual_seed(1)) < 0.7
     mask |= torch.eye(12, dtype=torch.bool)
     assert torch.equal(nn.attention(q, k, v, impl="gemm", causal=False, mask=mask),
@@ -152,9 +187,11 @@ def test_auto_runs_it_on_the_cpu(spy):
     assert len(spy) == 2
 
 
-def test_llama_step_with_gemm_attention(monkeypatch):
+@pytest.mark.parametrize("packed_rows", [False, True])
+def test_llama_step_with_gemm_attention(monkeypatch, spy, packed_rows):
     # a model config transform: logits and gradients of the SDPA model's to float32 rounding, and the train
-    # step's torch.func and autograd paths give identical gradients (plain ops on both)
+    # step's torch.func and autograd paths give identical gradients (plain ops on both); packed rows (the
+    # post-training packer's segments and positions) run the blocks too
     monkeypatch.setattr(A, "GEMM_BLOCK", 4)  # 12 tokens in 3 blocks
     base = attrs.evolve(llama.Config.debug(), vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                         ffn_dim=48, max_seq_len=16)  # fmt: skip
@@ -163,8 +200,12 @@ def test_llama_step_with_gemm_attention(monkeypatch):
     params = gemm.init(ft.random.key(0))
     tokens = torch.randint(0, 64, (3, 13), generator=torch.Generator().manual_seed(0))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    torch.testing.assert_close(gemm.apply(params, batch["inputs"]), sdpa.apply(params, batch["inputs"]),
-                               rtol=0, atol=1e-5)  # fmt: skip
+    if packed_rows:
+        segments = torch.tensor([[0] * 5 + [1] * 7, [0] * 12, [2] * 3 + [3] * 2 + [4] * 7])
+        batch |= {"segments": segments, "positions": nn.document_positions(segments)}
+    packed = {k: batch[k] for k in ("segments", "positions") if k in batch}
+    torch.testing.assert_close(gemm.apply(params, batch["inputs"], **packed),
+                               sdpa.apply(params, batch["inputs"], **packed), rtol=0, atol=1e-5)  # fmt: skip
     g_func, (l_func, _) = ft.train.value_and_grad(ft.train.next_token_loss(gemm), impl="func")(params, batch)
     g_auto, (l_auto, _) = ft.train.value_and_grad(ft.train.next_token_loss(gemm), impl="autograd")(params, batch)
     g_sdpa, _ = ft.train.value_and_grad(ft.train.next_token_loss(sdpa), impl="autograd")(params, batch)
@@ -172,3 +213,24 @@ def test_llama_step_with_gemm_attention(monkeypatch):
     for path, a, b, c in zip(T.paths(g_func), T.leaves(g_func), T.leaves(g_auto), T.leaves(g_sdpa), strict=True):
         assert torch.equal(a, b), path
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-6, msg=path)
+    assert len(spy) == 2 * 3  # two layers in the forward and in both of the gemm model's steps
+
+
+def test_sliding_window_model_runs_the_blocks(spy):
+    # Muse Glimmer: sliding layers (window 64) and a global one, T 150 over three blocks: logits and
+    # gradients of the SDPA model's
+    from ftitan.models import muse_glimmer
+
+    base = attrs.evolve(muse_glimmer.Config.debug(), vocab_size=96, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                        ffn_dim=96)  # fmt: skip
+    gemm, sdpa = (muse_glimmer.model(ft.config.with_attn_impl(impl)(base)) for impl in ("gemm", "sdpa"))
+    params = gemm.init(ft.random.key(0))
+    tokens = torch.randint(0, 96, (2, 151), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    torch.testing.assert_close(gemm.apply(params, batch["inputs"]), sdpa.apply(params, batch["inputs"]),
+                               rtol=0, atol=1e-5)  # fmt: skip
+    assert len(spy) == base.n_layers  # the sliding layers and the global one
+    g_gemm, _ = ft.train.value_and_grad(ft.train.next_token_loss(gemm), impl="autograd")(params, batch)
+    g_sdpa, _ = ft.train.value_and_grad(ft.train.next_token_loss(sdpa), impl="autograd")(params, batch)
+    for path, a, b in zip(T.paths(g_gemm), T.leaves(g_gemm), T.leaves(g_sdpa), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=path)
