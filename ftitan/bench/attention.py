@@ -146,17 +146,12 @@ def _train(b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generator)
     masks = {"causal": {}, "window": {"window": opts.window}, "document": {"segments": seg}}
 
     def step(impl: str, kind: str) -> Callable[[], Any]:
-        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return torch.autograd.grad(nn.attention(q, k, v, impl=impl, **masks[kind]), (q, k, v), cotangent)
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return nn.attention(q, k, v, impl=impl, **masks[kind])
 
-        if opts.compile:  # the forward compiled (its backward with it); the grad call stays outside the graph
-            inner = torch.compile(lambda q, k, v: nn.attention(q, k, v, impl=impl, **masks[kind]), fullgraph=True,
-                                  dynamic=False)  # fmt: skip
-
-            def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                return torch.autograd.grad(inner(q, k, v), (q, k, v), cotangent)
-
-        return lambda: fn(q, k, v)
+        if opts.compile:  # the forward compiled, its backward with it; the grad call stays outside the graph
+            attend = torch.compile(attend, fullgraph=True, dynamic=False)
+        return lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), cotangent)
 
     if opts.compile:  # six graphs of one code object a length: the lengths before are timed, drop theirs
         torch._dynamo.reset()
