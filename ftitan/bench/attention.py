@@ -23,9 +23,9 @@ medians):
 - a training call (forward and backward, ``torch.autograd.grad`` of the
   output against a fixed cotangent) of ``gemm`` vs ``sdpa`` for the masks a
   CPU training run uses (``causal``, ``window``, ``document``), compiled like
-  ``flex`` (``--no-compile``: eager); ``gemm_ran`` records whether ``gemm``
-  ran its blocks at that length (``nn.gemm_applies``: up to
-  ``GEMM_MAX_SEQ`` keys) or SDPA.
+  ``flex`` (``--no-compile``: eager); ``gemm_ran`` records per mask whether
+  ``gemm`` ran its blocks at that length or SDPA (``nn.gemm_applies``: up to
+  ``GEMM_MAX_SEQ`` keys, longer rows only with a window).
 
 ``ratios`` are ``flex/sdpa`` forward times and ``gemm/sdpa`` training
 times (below 1: the first faster). There is no goal: on CPU this reports
@@ -180,8 +180,10 @@ def run(opts: Options) -> dict[str, Any]:
         fwd = _forward(b, t, shape, seg, g)
         train = _train(b, t, shape, seg, g)
         probe = torch.empty(b, t, shape.heads, shape.head_dim)
+        ran = {kind: nn.gemm_applies(probe, probe[:, :, : shape.kv_heads], window=opts.window if kind == "window"
+                                     else None) for kind in TRAIN_KINDS}  # fmt: skip
         results[f"T={t}"] = {"block_mask": _builds(b, t, shape, seg, prefix), "forward_ms": fwd, "train_ms": train,
-                             "gemm_ran": nn.gemm_applies(probe, probe[:, :, : shape.kv_heads])}  # fmt: skip
+                             "gemm_ran": ran}  # fmt: skip
         for kind in ("causal", "document"):
             ratios[f"flex/sdpa {kind} T={t}"] = fwd[f"flex-{kind}"] / fwd[f"sdpa-{kind}"]
         for kind in TRAIN_KINDS:

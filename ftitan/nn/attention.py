@@ -23,17 +23,18 @@ Implementations that agree to float32 rounding:
   block against only the keys it can see (the keys after the block, and before its window, are never
   multiplied), its scores materialized and softmaxed in float32 (:func:`gemm_applies` says where: on
   the CPU, the causal rule, alone or refined by a ``window`` and/or packed rows' ``segments``, with as
-  many queries as keys, up to :data:`GEMM_MAX_SEQ` of them). On the CPU at such lengths
+  many queries as keys, up to :data:`GEMM_MAX_SEQ` of them unless windowed). On the CPU at such lengths
   it is faster than SDPA's flash kernel (whose causal forward there takes as long as its non-causal
   one, at a third of a batched GEMM's FLOP/s): forward and backward of B 4, T 256, 8/2
   heads of 64, compiled, 8.7-10.9 ms against 12.8-14.0 in float32, 5.7 against 15.0 in bfloat16
   (docs/kernels.md). It saves a layer's probabilities for backward (``B H T (T + 64) / 2``
   elements, capped at :data:`GEMM_MAX_SAVED` bytes), where the flash kernel saves one float a row.
   A window skips the keys before it; packed documents cost one comparison of segment ids per score
-  (B 2, T 1024, 8/2 heads: window 128 24.0 ms against SDPA's 98.9, 4 documents a row 55.7 against 105.4
-  with the dense mask; docs/kernels.md). Plain tensor algebra: every
-  ``torch.func`` transform and forward-AD runs it as it is. Elsewhere (explicit masks, a prefix-LM, a
-  KV cache, CUDA, longer rows) it runs ``"sdpa"``.
+  (B 2, T 1024, 8/2 heads: window 128 24.8 ms against SDPA's 106.4, 4 documents a row 65.5 against 106.3
+  with the dense mask; docs/kernels.md). Windowed rows longer than :data:`GEMM_MAX_SEQ` run as bands
+  (every block against its span of keys in one batched GEMM: linear in T, one graph at any length).
+  Plain tensor algebra: every ``torch.func`` transform and forward-AD runs it as it is. Elsewhere
+  (explicit masks, a prefix-LM, a KV cache, CUDA, longer rows without a window) it runs ``"sdpa"``.
 - ``"auto"``: ``"flex"`` on CUDA inside ``torch.compile`` (where FlexAttention is a fused kernel; eager
   it materializes the scores), ``"gemm"`` on the CPU (``"sdpa"`` where that does not apply),
   ``"sdpa"`` elsewhere: resolved from the tensors' device.
@@ -89,8 +90,9 @@ __all__ = [
 AttentionImpl = Literal["sdpa", "math", "batch_invariant", "flex", "gemm", "auto"]
 IMPLS: tuple[str, ...] = ("sdpa", "math", "batch_invariant", "flex", "gemm", "auto")
 
-# "gemm": queries per block; the longest row it runs (measured faster than the CPU flash kernel from
-# 256 to 1024 keys, even at 2048); the most bytes of probabilities one call may save for backward
+# "gemm": queries per block; the longest row its causal blocks run (measured faster than the CPU flash
+# kernel from 256 to 1024 keys, even at 2048, but each block compiles its own kernels: longer windowed rows
+# run as bands); the most bytes of probabilities one call may save for backward
 GEMM_BLOCK = 64
 GEMM_MAX_SEQ = 1024
 GEMM_MAX_SAVED = 256 << 20
@@ -183,7 +185,7 @@ def attention(
             impl = "flex" if torch.compiler.is_compiling() else "sdpa"
         else:
             impl = "gemm" if q.device.type == "cpu" else "sdpa"
-    if impl == "gemm" and prefix is None and gemm_applies(q, k, causal=causal, mask=mask):
+    if impl == "gemm" and prefix is None and gemm_applies(q, k, causal=causal, mask=mask, window=window):
         return _gemm(q, k, v, scale=scale, window=window, segments=segments)  # windows and documents refine causal
     if impl == "flex" or segments is not None or prefix is not None:
         m = flex.mask_of(b, t, s, causal=causal, mask=mask, window=window, segments=segments, prefix=prefix)
@@ -209,23 +211,44 @@ def attention(
     return _math(q, k, v, causal=causal, scale=scale, mask=mask)
 
 
-def gemm_applies(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, mask: torch.Tensor | None = None) -> bool:
+def gemm_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = True,
+    mask: torch.Tensor | None = None,
+    window: int | None = None,
+) -> bool:
     """Whether ``attn_impl="gemm"`` runs its blocked GEMMs for these queries and keys (else it runs
     ``"sdpa"``): plain (not DTensor) floating-point CPU tensors, the causal rule (no explicit ``mask``;
     a ``window`` and packed rows' ``segments`` refine it and run here too, a prefix-LM's ``prefix`` does
-    not) with as many queries as keys, at most :data:`GEMM_MAX_SEQ` of them, and at most
-    :data:`GEMM_MAX_SAVED` bytes of probabilities saved. Decided from shapes, device and dtype: a
+    not) with as many queries as keys, and at most :data:`GEMM_MAX_SAVED` bytes of probabilities saved;
+    rows of at most :data:`GEMM_MAX_SEQ` keys, longer ones only with a ``window`` shorter than the row,
+    which runs them in bands (any length: that graph does not grow with the row). Decided from shapes, device and dtype: a
     compile-time choice. Sizes that ``torch.compile`` made dynamic decide nothing (``statically_known_true``
-    adds no guard): such a graph runs SDPA, which serves every length, where the blocks' loop would
-    specialize on each length and recompile."""
+    adds no guard): such a graph runs SDPA, which serves every length, where the blocks would specialize
+    on each length and recompile."""
     if not causal or mask is not None:
         return False
     if q.device.type != "cpu" or not q.is_floating_point() or not (type(q) is type(k) is torch.Tensor):
         return False
     b, t, h = q.shape[0], q.shape[1], q.shape[2]
-    saved = b * h * t * (t + GEMM_BLOCK) // 2  # the probabilities of every block
     per = 4 + (q.element_size() if q.dtype != torch.float32 else 0)  # float32 softmax output and its cast
+    if _banded(t, window):  # every block of queries against its span of window + GEMM_BLOCK - 1 keys
+        assert window is not None
+        saved = b * h * -(-t // GEMM_BLOCK) * GEMM_BLOCK * (window + GEMM_BLOCK - 1)
+        return all(statically_known_true(c) for c in (t == k.shape[1], saved * per <= GEMM_MAX_SAVED))
+    saved = b * h * t * (t + GEMM_BLOCK) // 2  # the probabilities of every block
     return all(statically_known_true(c) for c in (t == k.shape[1], t <= GEMM_MAX_SEQ, saved * per <= GEMM_MAX_SAVED))
+
+
+def _banded(t: int, window: int | None) -> bool:
+    """Whether ``gemm`` runs a windowed row as bands (:func:`_gemm_banded`): a row longer than
+    :data:`GEMM_MAX_SEQ` (shorter ones run the causal blocks, keys before the window skipped: faster, 31
+    against 46 ms at T 1024, window 128, B 2, 8/2 heads) whose window's span of keys is shorter than it."""
+    if window is None:
+        return False
+    return all(statically_known_true(c) for c in (t > GEMM_MAX_SEQ, window + GEMM_BLOCK - 1 < t))
 
 
 def _check_packed(
@@ -304,6 +327,9 @@ def _gemm(
     rule, the window or the documents (``segments``, compared per row) hide a key. Every query sees
     itself, so no row is empty."""
     b, t, h, dh = q.shape
+    if _banded(t, window):
+        assert window is not None
+        return _gemm_banded(q, k, v, scale=scale, window=window, segments=segments)
     kv, dv = k.shape[2], v.shape[3]
     g = h // kv
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -325,6 +351,47 @@ def _gemm(
         probs = (scores.to(acc) * scale).masked_fill(~seen, float("-inf")).softmax(dim=-1).to(v.dtype)
         outs.append(torch.matmul(probs.view(b, kv, g * n, m), vh[:, :, lo:e]).view(b, kv, g, n, dv))
     return torch.cat(outs, dim=3).permute(0, 3, 1, 2, 4).reshape(b, t, h, dv)
+
+
+def _gemm_banded(
+    q: torch.Tensor,  # (B, T, H, Dh)
+    k: torch.Tensor,  # (B, T, KV, Dh)
+    v: torch.Tensor,  # (B, T, KV, Dv)
+    *,
+    scale: float,
+    window: int,
+    segments: torch.Tensor | None = None,  # (B, T) document ids
+) -> torch.Tensor:  # (B, T, H, Dv)
+    """Sliding-window causal attention, every block of :data:`GEMM_BLOCK` queries at once: the row is padded
+    to whole blocks (and by ``window - 1`` keys in front), K and V are unfolded into each block's span of
+    ``window + GEMM_BLOCK - 1`` keys (the first query's oldest visible key through the last query), and two
+    batched GEMMs over (row, kv head, block) run around one float32 softmax. The mask (within the window,
+    not after the query, not in the front padding, the same document) is one pattern for every block, so
+    the graph and its kernels do not grow with the row. Padded queries see their padded selves and are
+    dropped."""
+    b, t, h, dh = q.shape
+    kv, dv = k.shape[2], v.shape[3]
+    g, n = h // kv, GEMM_BLOCK
+    nb = -(-t // n)
+    front, back, m = window - 1, nb * n - t, window - 1 + n
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qb = F.pad(q, (0, 0, 0, 0, 0, back)).reshape(b, nb, n, kv, g, dh).permute(0, 3, 1, 4, 2, 5)
+    ks = F.pad(k, (0, 0, 0, 0, front, back)).unfold(1, m, n).permute(0, 2, 1, 3, 4)  # (B, KV, nb, Dh, m)
+    vs = F.pad(v, (0, 0, 0, 0, front, back)).unfold(1, m, n).permute(0, 2, 1, 4, 3)  # (B, KV, nb, m, Dv)
+    scores = torch.matmul(qb.reshape(b, kv, nb, g * n, dh), ks).view(b, kv, nb, g, n, m)
+    # query r of block j sits at j n + r, key c of its span at j n - (window - 1) + c
+    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(m, device=q.device)[None, :]
+    j = torch.arange(nb, device=q.device)[:, None, None]
+    seen = (c >= r) & (c <= r + front) & (j * n - front + c >= 0)  # (nb, n, m)
+    if segments is not None:  # padded queries and keys share one id: a padded query sees itself
+        ids = F.pad(segments, (front, back))
+        same = ids[:, front:].view(b, nb, n)[..., None] == ids.unfold(1, m, n)[:, :, None]  # (B, nb, n, m)
+        seen = (seen & same)[:, None, :, None]  # (B, 1, nb, 1, n, m)
+    else:
+        seen = seen[:, None]  # (nb, 1, n, m)
+    probs = (scores.to(acc) * scale).masked_fill(~seen, float("-inf")).softmax(dim=-1).to(v.dtype)
+    out = torch.matmul(probs.view(b, kv, nb, g * n, m), vs).view(b, kv, nb, g, n, dv)
+    return out.permute(0, 2, 4, 1, 3, 5).reshape(b, nb * n, h, dv)[:, :t]
 
 
 def _math(

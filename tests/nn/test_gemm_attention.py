@@ -74,13 +74,33 @@ def test_matches_reference(spy, t, h, kv, dv):
     assert len(spy) == 2  # the GEMM path ran, not the SDPA fallback
 
 
-# windows inside one block, across block edges, as wide as the row; documents; both (packed rows of a
-# sliding-window model): the keys before a block's window are skipped, the rest masked
-@pytest.mark.parametrize("window,docs", [(1, False), (5, False), (64, False), (70, False), (130, False),
-                                         (None, True), (20, True)])  # fmt: skip
-def test_windows_and_documents_match_reference(spy, window, docs):
-    q, k, v = qkv(t=130)
-    segments = packed(2, 130) if docs else None
+@pytest.fixture(params=["blocks", "bands"])
+def form(request, monkeypatch):
+    """Each windowed case runs the causal blocks (keys before a block's window skipped) and, with the row
+    cap lowered to 64 so that these rows pass it, the bands of :func:`_gemm_banded`."""
+    if request.param == "bands":
+        monkeypatch.setattr(A, "GEMM_MAX_SEQ", 64)
+    return request.param
+
+
+# windows inside one block, across block edges, five blocks of a 300-token row; documents; both (packed
+# rows of a sliding-window model)
+@pytest.mark.parametrize("t,window,docs", [(130, 1, False), (130, 5, False), (130, 64, False), (300, 20, False),
+                                           (130, 20, True), (130, 60, True)])  # fmt: skip
+def test_windows_match_reference(spy, form, t, window, docs):
+    assert A._banded(t, window) == (form == "bands")
+    check_reference(spy, t, window, packed(2, t) if docs else None)
+
+
+# wider windows (the keys a block sees barely shrink: the causal blocks even past the cap), documents alone
+@pytest.mark.parametrize("window,docs", [(70, False), (130, False), (None, True)])
+def test_wide_windows_and_documents_match_reference(spy, window, docs):
+    assert not A._banded(130, window)
+    check_reference(spy, 130, window, packed(2, 130) if docs else None)
+
+
+def check_reference(spy, t, window, segments):
+    q, k, v = qkv(t=t)
     want = reference(q, k, v, window=window, segments=segments)
     got = nn.attention(q, k, v, impl="gemm", window=window, segments=segments)
     torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-5)
@@ -112,28 +132,38 @@ def test_gradients_match_reference_and_gradcheck(monkeypatch):
     xs = [x.double().requires_grad_() for x in qkv(b=2, t=10, h=2, kv=1, dh=4)]
     assert torch.autograd.gradcheck(lambda *x: nn.attention(*x, impl="gemm"), xs)
     segments = torch.tensor([[0] * 4 + [1] * 6, [5] * 2 + [6] * 7 + [8]])
-    assert torch.autograd.gradcheck(lambda *x: nn.attention(*x, impl="gemm", window=4, segments=segments), xs)
+    attend = lambda *x: nn.attention(*x, impl="gemm", window=4, segments=segments)  # noqa: E731
+    assert torch.autograd.gradcheck(attend, xs)  # the causal blocks, keys before the window skipped
+    monkeypatch.setattr(A, "GEMM_MAX_SEQ", 4)
+    assert A._banded(10, 4) and torch.autograd.gradcheck(attend, xs)  # bands: spans of 6 keys
 
 
-def test_functional_transforms_run_it_as_plain_ops(spy):
-    # grad, vmap and jvp see matmuls and a softmax: no fallback needed, the values of the math form
-    q, k, v = (x.double() for x in qkv(t=70))
-    f = lambda q: nn.attention(q, k, v, impl="gemm")  # noqa: E731
-    m = lambda q: nn.attention(q, k, v, impl="math")  # noqa: E731
+@pytest.mark.parametrize("window", [None, 20])  # the causal blocks; bands (the row cap lowered to 64)
+def test_functional_transforms_run_it_as_plain_ops(monkeypatch, spy, window):
+    # grad, vmap and jvp see matmuls, pads, unfolds and a softmax: no fallback needed, the math form's values
+    if window is not None:
+        monkeypatch.setattr(A, "GEMM_MAX_SEQ", 64)
+    q, k, v = (x.double() for x in qkv(t=100))
+    assert A._banded(100, window) == (window is not None)
+    f = lambda q: nn.attention(q, k, v, impl="gemm", window=window)  # noqa: E731
+    m = lambda q: nn.attention(q, k, v, impl="math", window=window)  # noqa: E731
     torch.testing.assert_close(torch.func.grad(lambda q: f(q).pow(2).sum())(q),
                                torch.func.grad(lambda q: m(q).pow(2).sum())(q), rtol=0, atol=1e-12)  # fmt: skip
     tangent = torch.randn_like(q)
     torch.testing.assert_close(torch.func.jvp(f, (q,), (tangent,))[1], torch.func.jvp(m, (q,), (tangent,))[1],
                                rtol=0, atol=1e-12)  # fmt: skip
-    rows = torch.func.vmap(lambda q, k, v: nn.attention(q[None], k[None], v[None], impl="gemm")[0])(q, k, v)
+    rows = torch.func.vmap(lambda q, k, v: nn.attention(q[None], k[None], v[None], impl="gemm", window=window)[0])(
+        q, k, v)
     torch.testing.assert_close(rows, m(q), rtol=0, atol=1e-12)
     assert len(spy) == 3  # once under each transform: none fell back
 
 
-@pytest.mark.parametrize("packed_rows", [False, True])
-def test_compiled_fullgraph_forward_and_backward(spy, packed_rows):
-    q, k, v = qkv(t=130)
-    kw = {"segments": packed(2, 130), "window": 40} if packed_rows else {}  # segments: a graph input
+@pytest.mark.parametrize("kw,cap", [({}, 1024), ({"segments": packed(2, 130), "window": 40}, 1024),
+                                    ({"segments": packed(2, 130), "window": 40}, 64)],
+                         ids=["causal", "blocks-window-documents", "bands-window-documents"])  # fmt: skip
+def test_compiled_fullgraph_forward_and_backward(monkeypatch, spy, kw, cap):
+    monkeypatch.setattr(A, "GEMM_MAX_SEQ", cap)
+    q, k, v = qkv(t=130)  # segments: a graph input
 
     def loss(q, k, v, kw):
         return nn.attention(q, k, v, impl="gemm", **kw).sin().sum()
@@ -179,6 +209,20 @@ def test_sdpa_runs_where_it_does_not_apply(spy):
     assert not A.gemm_applies(wide, wide[:, :, :8])
     assert not A.gemm_applies(*(x.to(torch.int64) for x in qkv(t=4)[:2]))
     assert spy == []
+
+
+def test_windowed_rows_past_the_cap_run_banded(spy):
+    # a window narrower than the row bands it: rows past GEMM_MAX_SEQ run the blocks (the causal rule alone
+    # does not), their graph the same size at every length
+    t = A.GEMM_MAX_SEQ + 70
+    q, k, v = qkv(b=1, t=t, h=2, kv=1, dh=4)
+    assert A.gemm_applies(q, k, window=8) and not A.gemm_applies(q, k)
+    segments = packed(1, t)
+    got = nn.attention(q, k, v, impl="gemm", window=8, segments=segments)
+    torch.testing.assert_close(got, reference(q, k, v, window=8, segments=segments).float(), rtol=0, atol=1e-5)
+    assert len(spy) == 1
+    wide = torch.empty(64, 4 * A.GEMM_MAX_SEQ, 32, 8)  # its probabilities past GEMM_MAX_SAVED: SDPA
+    assert not A.gemm_applies(wide, wide[:, :, :8], window=512)
 
 
 def test_auto_runs_it_on_the_cpu(spy):
