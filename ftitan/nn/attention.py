@@ -224,10 +224,10 @@ def gemm_applies(
     a ``window`` and packed rows' ``segments`` refine it and run here too, a prefix-LM's ``prefix`` does
     not) with as many queries as keys, and at most :data:`GEMM_MAX_SAVED` bytes of probabilities saved;
     rows of at most :data:`GEMM_MAX_SEQ` keys, longer ones only with a ``window`` shorter than the row,
-    which runs them in bands (any length: that graph does not grow with the row). Decided from shapes, device and dtype: a
-    compile-time choice. Sizes that ``torch.compile`` made dynamic decide nothing (``statically_known_true``
-    adds no guard): such a graph runs SDPA, which serves every length, where the blocks would specialize
-    on each length and recompile."""
+    which runs them in bands (any length: that graph does not grow with the row). Decided from shapes,
+    device and dtype: a compile-time choice. Sizes that ``torch.compile`` made dynamic decide nothing
+    (``statically_known_true`` adds no guard): such a graph runs SDPA, which serves every length, where
+    the blocks would specialize on each length and recompile."""
     if not causal or mask is not None:
         return False
     if q.device.type != "cpu" or not q.is_floating_point() or not (type(q) is type(k) is torch.Tensor):

@@ -92,7 +92,7 @@ def test_windows_match_reference(spy, form, t, window, docs):
     check_reference(spy, t, window, packed(2, t) if docs else None)
 
 
-# wider windows (the keys a block sees barely shrink: the causal blocks even past the cap), documents alone
+# wider windows (a block's span of keys barely shorter than the row: never bands), documents alone
 @pytest.mark.parametrize("window,docs", [(70, False), (130, False), (None, True)])
 def test_wide_windows_and_documents_match_reference(spy, window, docs):
     assert not A._banded(130, window)
