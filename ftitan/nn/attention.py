@@ -277,9 +277,9 @@ def _with_window(
     """The explicit mask of a windowed attention: the window ANDed with the causal rule or ``mask``."""
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise ValueError(f"attention: window={window!r} must be an int >= 1 (keys each query sees, itself included)")
-    near = window_mask(t, s, window, device=device)
     if causal:
-        return near & causal_mask(t, s, device=device)
+        return _span_mask(t, s, window, device=device)
+    near = window_mask(t, s, window, device=device)
     return near if mask is None else near & mask
 
 
@@ -342,15 +342,19 @@ def _gemm(
         lo = 0 if window is None else max(0, i - window + 1)
         n, m = e - i, e - lo
         scores = torch.matmul(qh[:, :, :, i:e].reshape(b, kv, g * n, dh), kt[..., lo:e]).view(b, kv, g, n, m)
-        q_pos, k_pos = torch.arange(i, e, device=q.device)[:, None], torch.arange(lo, e, device=q.device)[None, :]
-        seen = k_pos <= q_pos  # (n, m)
-        if window is not None:
-            seen = seen & (k_pos > q_pos - window)
+        seen = _span_mask(n, m, window, device=q.device)  # the block's queries are its span's last n keys
         if segments is not None:  # (B, n, m): the same document
             seen = (seen & (segments[:, i:e, None] == segments[:, None, lo:e]))[:, None, None]
         probs = (scores.to(acc) * scale).masked_fill(~seen, float("-inf")).softmax(dim=-1).to(v.dtype)
         outs.append(torch.matmul(probs.view(b, kv, g * n, m), vh[:, :, lo:e]).view(b, kv, g, n, dv))
     return torch.cat(outs, dim=3).permute(0, 3, 1, 2, 4).reshape(b, t, h, dv)
+
+
+def _span_mask(n: int, m: int, window: int | None, *, device: torch.device) -> torch.Tensor:  # (n, m) bool
+    """Which of a span of ``m`` keys each of its last ``n`` (the queries: a ``gemm`` block, a KV cache's
+    new tokens) sees: the causal rule and the ``window`` (:func:`causal_mask`, :func:`window_mask`)."""
+    seen = causal_mask(n, m, device=device)
+    return seen if window is None else seen & window_mask(n, m, window, device=device)
 
 
 def _gemm_banded(
@@ -379,10 +383,9 @@ def _gemm_banded(
     ks = F.pad(k, (0, 0, 0, 0, front, back)).unfold(1, m, n).permute(0, 2, 1, 3, 4)  # (B, KV, nb, Dh, m)
     vs = F.pad(v, (0, 0, 0, 0, front, back)).unfold(1, m, n).permute(0, 2, 1, 4, 3)  # (B, KV, nb, m, Dv)
     scores = torch.matmul(qb.reshape(b, kv, nb, g * n, dh), ks).view(b, kv, nb, g, n, m)
-    # query r of block j sits at j n + r, key c of its span at j n - (window - 1) + c
-    r, c = torch.arange(n, device=q.device)[:, None], torch.arange(m, device=q.device)[None, :]
-    j = torch.arange(nb, device=q.device)[:, None, None]
-    seen = (c >= r) & (c <= r + front) & (j * n - front + c >= 0)  # (nb, n, m)
+    # block j's queries are the last n keys of its span, whose key c sits at j n - (window - 1) + c
+    c, j = torch.arange(m, device=q.device), torch.arange(nb, device=q.device)[:, None, None]
+    seen = _span_mask(n, m, window, device=q.device) & (j * n - front + c >= 0)  # (nb, n, m): not front padding
     if segments is not None:  # padded queries and keys share one id: a padded query sees itself
         ids = F.pad(segments, (front, back))
         same = ids[:, front:].view(b, nb, n)[..., None] == ids.unfold(1, m, n)[:, :, None]  # (B, nb, n, m)
