@@ -138,8 +138,11 @@ def _forward(b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generato
 TRAIN_KINDS = ("causal", "window", "document")
 
 
-def _train(b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generator) -> dict[str, float]:
-    """Median ms of a forward and backward of gemm and sdpa, for each of :data:`TRAIN_KINDS`."""
+def _train(
+    b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generator
+) -> tuple[dict[str, float], dict[str, bool]]:
+    """Median ms of a forward and backward of gemm and sdpa, for each of :data:`TRAIN_KINDS`, and for each
+    whether ``gemm`` ran its blocks (``nn.gemm_applies``) or SDPA."""
     q = torch.randn(b, t, opts.heads, opts.head_dim, generator=g, requires_grad=True)
     k, v = (torch.randn(b, t, opts.kv_heads, opts.head_dim, generator=g, requires_grad=True) for _ in range(2))
     cotangent = torch.randn(q.shape, generator=g)
@@ -156,7 +159,8 @@ def _train(b: int, t: int, opts: Options, seg: torch.Tensor, g: torch.Generator)
     if opts.compile:  # six graphs of one code object a length: the lengths before are timed, drop theirs
         torch._dynamo.reset()
     steps = {f"{impl}-{kind}": step(impl, kind) for kind in TRAIN_KINDS for impl in ("gemm", "sdpa")}
-    return _ms(timing.time_steps(steps, tokens_per_step=b * t, warmup=opts.warmup, rounds=opts.rounds))
+    ran = {kind: nn.gemm_applies(q, k, window=masks[kind].get("window")) for kind in TRAIN_KINDS}
+    return _ms(timing.time_steps(steps, tokens_per_step=b * t, warmup=opts.warmup, rounds=opts.rounds)), ran
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -178,10 +182,7 @@ def run(opts: Options) -> dict[str, Any]:
         seg = _segments(b, t, min(opts.docs, t), g)
         prefix = torch.randint(0, t, (b,), generator=g)
         fwd = _forward(b, t, shape, seg, g)
-        train = _train(b, t, shape, seg, g)
-        probe = torch.empty(b, t, shape.heads, shape.head_dim)
-        ran = {kind: nn.gemm_applies(probe, probe[:, :, : shape.kv_heads], window=opts.window if kind == "window"
-                                     else None) for kind in TRAIN_KINDS}  # fmt: skip
+        train, ran = _train(b, t, shape, seg, g)
         results[f"T={t}"] = {"block_mask": _builds(b, t, shape, seg, prefix), "forward_ms": fwd, "train_ms": train,
                              "gemm_ran": ran}  # fmt: skip
         for kind in ("causal", "document"):

@@ -212,8 +212,8 @@ def test_sdpa_runs_where_it_does_not_apply(spy):
 
 
 def test_windowed_rows_past_the_cap_run_banded(spy):
-    # a window narrower than the row bands it: rows past GEMM_MAX_SEQ run the blocks (the causal rule alone
-    # does not), their graph the same size at every length
+    # a window narrower than the row bands it: rows past GEMM_MAX_SEQ run the bands (the causal rule alone
+    # runs SDPA there), their graph the same size at every length
     t = A.GEMM_MAX_SEQ + 70
     q, k, v = qkv(b=1, t=t, h=2, kv=1, dh=4)
     assert A.gemm_applies(q, k, window=8) and not A.gemm_applies(q, k)
