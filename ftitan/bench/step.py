@@ -110,6 +110,10 @@ class Options:
     """FP8 training of the ftitan peers' block projections: "tensorwise" or "rowwise" (torchao's recipes,
     ``ftitan train --float8``; float8 GEMMs on CUDA 8.9+, emulated elsewhere), "" none. Model FLOP/s are
     still judged against the compute dtype's GEMM peak."""
+    fuse_projections: bool = True
+    """The ftitan peers' params hold q/k/v and gate/up stacked (``--model.fuse-projections``,
+    ``ftitan.models.fused``): one wider GEMM each, forward and backward. The HF and TorchTitan peers keep
+    their separate projections."""
     malloc_retain: bool = True
     """On the CPU: glibc keeps the memory a step frees for the next one (``ft.train.retain_freed_memory``, as
     ``ftitan train`` does), for every peer alike (one process); False: glibc's defaults."""
@@ -166,6 +170,7 @@ def ftitan_step(
     kernels: str = "torch",
     float8: str = "",
     attn_impl: str = "sdpa",
+    fuse_projections: bool = False,
 ) -> Callable[[], float]:
     """The ftitan peer: the pure step, state carried between calls by the caller's loop.
 
@@ -175,13 +180,15 @@ def ftitan_step(
     ``ftitan train`` takes them (``ftitan.kernels`` step aside for their references under ``torch.func``).
     ``float8``: the model config's recipe (``ftitan.nn.float8``), likewise on the autograd path.
     ``attn_impl``: the model config's (``ftitan.nn.attention``).
+    ``fuse_projections``: the model config's (``ftitan.models.fused``: q/k/v and gate/up stacked, one GEMM each).
     """
     import ftitan as ft
     from ftitan.models import llama
     from ftitan.train.runtime import gradient_path, step_options
 
     fast_paths = ft.config.compose(ft.config.with_kernels(kernels), ft.config.with_float8(float8),
-                                   ft.config.with_attn_impl(attn_impl))  # fmt: skip
+                                   ft.config.with_attn_impl(attn_impl),
+                                   ft.config.with_model_fields(fuse_projections=fuse_projections))  # fmt: skip
     model = llama.model(fast_paths(_llama_config(cfg)))
     params = model.init(ft.random.key(seed), device=device)
     opt = ft.optim.adamw(
@@ -234,21 +241,21 @@ def _streaming(cfg: dict[str, Any], source: Any, tok: Any) -> Iterator[dict[str,
 
 
 def _build(name: str, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype,
-           loader: tuple[Any, Any] | None = None, kernels: str = "torch",
-           float8: str = "", attn_impl: str = "sdpa") -> Callable[[], float]:  # fmt: skip
+           loader: tuple[Any, Any] | None = None, **fast: Any) -> Callable[[], float]:  # fmt: skip
+    """Peer ``name``'s step; ``fast``: the ftitan peers' model-config choices (``ftitan_step``'s ``kernels``,
+    ``float8``, ``attn_impl``, ``fuse_projections``)."""
     if name.endswith(BF16):
-        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, kernels, float8, attn_impl)
+        return _build(name.removesuffix(BF16), cfg, device, torch.bfloat16, loader, **fast)
     if name == STREAMING_PEER:
         assert loader is not None
         return ftitan_step(cfg, compile=True, device=device, compute_dtype=dtype, batches=_streaming(cfg, *loader),
-                           kernels=kernels, float8=float8, attn_impl=attn_impl)  # fmt: skip
+                           **fast)
     family, _, mode = name.rpartition("-")
     compile = mode == "compiled"
     if mode not in ("eager", "compiled"):
         raise ValueError(f"unknown peer {name!r}; peers end in -eager or -compiled")
     if family == "ftitan":
-        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, kernels=kernels, float8=float8,
-                           attn_impl=attn_impl)  # fmt: skip
+        return ftitan_step(cfg, compile=compile, device=device, compute_dtype=dtype, **fast)
     if family == "hf":
         autocast = dtype if dtype != torch.float32 else None
         return peers.hf_llama_step(cfg, compile=compile, adamw_impl="fused", device=device, autocast_dtype=autocast)
@@ -355,7 +362,8 @@ def run(opts: Options) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ftitan-bench-") as tmp:
         loader = streaming_loader(cfg, Path(tmp)) if STREAMING_PEER in names else None
         steps: dict[str, Callable[[], Any]] = {
-            n: _build(n, cfg, device, dtype, loader, opts.kernels, opts.float8, opts.attn_impl)
+            n: _build(n, cfg, device, dtype, loader, kernels=opts.kernels, float8=opts.float8,
+                      attn_impl=opts.attn_impl, fuse_projections=opts.fuse_projections)  # fmt: skip
             for n in names
             if n not in skipped
         }
@@ -406,7 +414,8 @@ def run(opts: Options) -> dict[str, Any]:
         "config": cfg | {"model": "quick" if opts.quick else opts.model, "dtype": "float32",
                          "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels,
-                         "attn_impl": opts.attn_impl, "float8": opts.float8, "malloc_retain": malloc},  # fmt: skip
+                         "attn_impl": opts.attn_impl, "float8": opts.float8,
+                         "fuse_projections": opts.fuse_projections, "malloc_retain": malloc},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak

@@ -407,6 +407,26 @@ def _check_rl(cfg: TrainConfig) -> None:
                     "(--rl.env); drop --data.chat / --data.preference")  # fmt: skip
 
 
+def _check_fuse_projections(cfg: TrainConfig) -> None:
+    """--model.fuse-projections: one process, an elementwise optimizer, full fine-tuning, no RL (the trainer's
+    tree holds wqkv / w13, which the head splits of tensor parallelism, Muon's whole-matrix update, LoRA's
+    targets and the generator's weight sync do not read)."""
+    if not getattr(cfg.model, "fuse_projections", False):
+        return
+    flag, why = "--model.fuse-projections", None
+    if cfg.parallel.world_size > 1:
+        why = "runs on one process for now; drop it or the --parallel.* degrees"
+    elif cfg.optim.name.startswith("muon"):
+        why = (f"--optim.name {cfg.optim.name} orthogonalizes each matrix, and wqkv / w13 are several; drop it or "
+               "use --optim.name adamw")  # fmt: skip
+    elif cfg.lora.rank:
+        why = "LoRA adapts the separate q/k/v and gate/up projections; drop it or --lora.rank"
+    elif cfg.rl.env:
+        why = "the RL generator loads the separate projections; drop it for --rl.env runs"
+    if why:
+        raise _fail(flag, True, why)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check a run; return it unchanged, or raise ``ValueError("--flag=value: fix")``."""
     _check_finite(cfg)
@@ -418,6 +438,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check_parallel(cfg)
     _check_post_training(cfg)
     _check_rl(cfg)
+    _check_fuse_projections(cfg)
     _check_checkpoint(cfg)
     _check_cross(cfg)
     _check_run_dir(cfg)

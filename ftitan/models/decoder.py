@@ -15,9 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ftitan import nn
+from ftitan import nn, random
 from ftitan.kernels.rope import apply_rope_qk
-from ftitan.models import hf
+from ftitan.models import fused, hf
 from ftitan.models.base import StageOut
 from ftitan.nn import invariant
 from ftitan.nn.attention import Attend, AttentionImpl
@@ -97,6 +97,29 @@ def check_float8(cfg: Any, family: str) -> None:
                                          "kv": cfg.n_kv_heads * cfg.head_dim})  # fmt: skip
 
 
+def init_and_axes(cfg: Any, specs: Any) -> tuple[Callable[..., Any], Any]:
+    """A family's ``Model.init`` and ``param_axes`` from its param specs: ``nn.init(specs)``, or with the
+    config's ``fuse_projections`` that init's leaves stacked (``ftitan.models.fused``: the same values)."""
+    init, axes = functools.partial(nn.init, specs), nn.axes(specs)
+    if getattr(cfg, "fuse_projections", False):
+        return fused.fused_init(init), fused.fuse_axes(axes)
+    return init, axes
+
+
+def fused_weights(cfg: Any, maps: list[hf.WeightMap], specs: Any) -> list[hf.WeightMap]:
+    """A family's HF name table (``maps``, one per unfused leaf) for its params: with the config's
+    ``fuse_projections`` each stacked leaf maps to its parts' names (``fused.fuse_weight_maps``)."""
+    if not getattr(cfg, "fuse_projections", False):
+        return maps
+    return fused.fuse_weight_maps(maps, nn.init(specs, random.key(0), device="meta"))
+
+
+def check_fuse_projections(cfg: Any, family: str) -> None:
+    """``fuse_projections`` is a bool (``--model.fuse-projections``)."""
+    if not isinstance(cfg.fuse_projections, bool):
+        raise ValueError(f"{family}.Config.fuse_projections={cfg.fuse_projections!r}: must be True or False")
+
+
 def residual_std(cfg: AttentionConfig) -> float:
     """Init std of the residual-branch outputs (wo, w2): ``init_std / sqrt(2L)``, GPT-2 style depth scaling."""
     return cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -144,7 +167,7 @@ def attention(
     b, t, _ = x.shape
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
     inv, kern, f8 = invariant.enabled(cfg), cfg.kernels, getattr(cfg, "float8", "")
-    if "wqkv" in p:  # one matmul for q, k, v (ftitan.infer.fuse_projections; one process, no tp)
+    if "wqkv" in p:  # one matmul for q, k, v (ftitan.models.fused: inference, or fuse_projections; no tp)
         sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
         q, k, v = nn.linear(x, p["wqkv"], invariant=inv, kernels=kern, float8=f8).split(sizes, dim=-1)
     else:

@@ -78,6 +78,8 @@ class Config:
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
+    # params hold [wq; wk; wv] as wqkv and [w1; w3] as w13: one wider GEMM each (ftitan.models.fused; one process)
+    fuse_projections: bool = False
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
@@ -108,6 +110,7 @@ class Config:
                 f"llama.Config.rope_scaling={self.rope_scaling!r}: expected None or nn.Llama3RopeScaling"
             )
         decoder.check_float8(self, "llama")
+        decoder.check_fuse_projections(self, "llama")
 
     @property
     def head_dim(self) -> int:
@@ -223,13 +226,14 @@ def _apply(
 def model(cfg: Config) -> Model:
     """The Llama 3 ``Model`` for ``cfg``: pure ``init``/``apply`` closed over the config."""
     specs = param_specs(cfg)
+    init, axes = decoder.init_and_axes(cfg, specs)  # (key, *, dtype, device) -> params
 
     return Model(
         config=cfg,
-        init=functools.partial(nn.init, specs),  # (key, *, dtype, device) -> params
+        init=init,
         apply=functools.partial(_apply, cfg),
         head=functools.partial(decoder.output_head, cfg),
-        param_axes=nn.axes(specs),
+        param_axes=axes,
         flops_per_token=functools.partial(flops_per_token, cfg),
         stage=functools.partial(decoder.dense_stage, cfg, family="llama", scaling=cfg.rope_scaling),
     )
@@ -240,7 +244,8 @@ def model(cfg: Config) -> Model:
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``LlamaForCausalLM`` name, one rename per leaf."""
     layer = {**decoder.HF_ATTENTION, **decoder.HF_MLP}
-    return [*decoder.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, layer)]
+    maps = [*decoder.hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, layer)]
+    return decoder.fused_weights(cfg, maps, param_specs(cfg))
 
 
 def config_to_hf(cfg: Config) -> dict[str, Any]:

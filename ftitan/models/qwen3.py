@@ -105,12 +105,15 @@ class Config:
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
+    # params hold [wq; wk; wv] as wqkv and [w1; w3] as w13: one wider GEMM each (ftitan.models.fused; one process)
+    fuse_projections: bool = False
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 
     def __attrs_post_init__(self) -> None:
         check_config(self, "qwen3")
         check_positive_int(self, "qwen3", "ffn_dim")
         decoder.check_float8(self, "qwen3")
+        decoder.check_fuse_projections(self, "qwen3")
 
     @classmethod
     def debug(cls) -> Config:
@@ -240,13 +243,14 @@ def _apply(
 def model(cfg: Config) -> Model:
     """The Qwen3 ``Model`` for ``cfg``: pure ``init``/``apply`` closed over the config."""
     specs = param_specs(cfg)
+    init, axes = decoder.init_and_axes(cfg, specs)  # (key, *, dtype, device) -> params
 
     return Model(
         config=cfg,
-        init=functools.partial(nn.init, specs),  # (key, *, dtype, device) -> params
+        init=init,
         apply=functools.partial(_apply, cfg),
         head=functools.partial(output_head, cfg),
-        param_axes=nn.axes(specs),
+        param_axes=axes,
         flops_per_token=functools.partial(flops_per_token, cfg),
         stage=functools.partial(decoder.dense_stage, cfg, family="qwen3"),
     )
@@ -256,7 +260,8 @@ def model(cfg: Config) -> Model:
 
 def hf_weights(cfg: Config) -> list[hf.WeightMap]:
     """ftitan path <-> HF ``Qwen3ForCausalLM`` name, one rename per leaf."""
-    return [*hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, {**HF_ATTENTION, **HF_QK_NORM, **HF_MLP})]
+    maps = [*hf_outer_weights(cfg), *hf.per_layer(cfg.n_layers, {**HF_ATTENTION, **HF_QK_NORM, **HF_MLP})]
+    return decoder.fused_weights(cfg, maps, param_specs(cfg))
 
 
 def hf_common_to_hf(cfg: AttentionConfig) -> dict[str, Any]:

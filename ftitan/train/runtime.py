@@ -122,9 +122,11 @@ class Runtime:
     def load_hf(self, model: Model, directory: str) -> Any:
         """This rank's params read from an HF checkpoint directory, only the slices it holds (safetensors
         ``get_slice``), in float32 masters on its device; checked against ``model``'s shapes."""
-        from ftitan.models import hf
+        from ftitan.models import fused, hf
 
         _, params = hf.load_hf_sharded(directory, self.layout, dtype=torch.float32, device=self.device)
+        if getattr(model.config, "fuse_projections", False):  # one process: the checkpoint's leaves, stacked
+            params = fused.fuse_projections(params)
         paths, likes, _ = T.flatten_with_paths(model.init(random.key(0), device="meta"))
         got_paths, got_leaves, _ = T.flatten_with_paths(params)
         got = dict(zip(got_paths, got_leaves, strict=True))  # DTensors: global shapes; under pp, this stage's
