@@ -4,7 +4,9 @@ Measures tokens/s of a full fwd + bwd + AdamW step of one Llama 3 config
 (dim 512, 8 layers, 8 heads, 2 KV heads, seq 256, batch 4, vocab 8192, fp32)
 for, in the same process, alternating after warm-up:
 
-- ``ftitan-compiled``: ``torch.compile(make_train_step(..., donate=True), fullgraph=True)``
+- ``ftitan-compiled``: ``torch.compile(make_train_step(..., donate=True), fullgraph=True)``, the
+  model config's choices by ``--kernels``, ``--attn-impl`` and ``--fuse-projections`` (q/k/v and
+  gate/up stacked in the params, one GEMM each; default on)
 - ``ftitan-compiled-streaming``: the compiled step fed by the streaming loader
   (sharded JSONL, tokenized ahead by its background thread) instead of one
   pre-tokenized batch; the output's ``loader`` is that loader's own tokens/s

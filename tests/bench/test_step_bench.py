@@ -76,6 +76,25 @@ def test_float8_runs_the_ftitan_peers_projections_in_float8(capsys, monkeypatch)
         step.run(step.Options(quick=True, float8="e4m3", peers=("ftitan-eager",)))
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_fuse_projections_picks_the_ftitan_peers_params_tree(capsys, monkeypatch, fuse):
+    """``--fuse-projections`` (default) / ``--no-fuse-projections``: the ftitan peer's train state holds the
+    stacked ``wqkv``/``w13`` leaves, or the separate ones, and the JSON records which."""
+    import ftitan as ft
+
+    trees = []
+    real = ft.train.init_state
+    monkeypatch.setattr(ft.train, "init_state", lambda params, opt: trees.append(params) or real(params, opt))
+    flag = [] if fuse else ["--no-fuse-projections"]
+    assert step.main(["--quick", "--device", "cpu", "--peers", "ftitan-eager", "--warmup", "1", "--rounds", "1",
+                      *flag]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["config"]["fuse_projections"] is fuse
+    (params,) = trees
+    layer = params["layers"]["0"]
+    assert ("wqkv" in layer["attn"] and "w13" in layer["mlp"]) is fuse
+    assert ("wq" in layer["attn"] and "w1" in layer["mlp"]) is not fuse
+
+
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="--model='llama9'"):
         step.run(step.Options(quick=True, model="llama9", peers=("ftitan-eager",)))
