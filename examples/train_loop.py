@@ -1,7 +1,7 @@
 """The training loop as function composition: a byte-level Llama on real text.
 
     python examples/train_loop.py [--steps 200] [--optimizer adamw|muon] [--no-compile] [--kernels triton]
-                                  [--float8 tensorwise|rowwise] [--attn-impl gemm]
+                                  [--float8 tensorwise|rowwise] [--attn-impl gemm] [--fuse-projections]
 
 Trains ``llama.Config.debug()`` (vocab 256: one token per byte) on the source
 of ``torch/__init__.py``; loss falls from ln(256) ~ 5.5 in a few dozen steps.
@@ -12,6 +12,9 @@ config's ``step_options``, as ``ftitan train`` picks it).
 GPU, torchao's emulation elsewhere; ``ftitan.nn.float8``), on the autograd path too.
 ``--attn-impl gemm``: causal attention as GEMMs over 64-query blocks on the CPU (``ftitan.nn.attention``;
 faster there than SDPA's flash kernel for rows of a few hundred tokens; SDPA elsewhere).
+``--fuse-projections``: the params hold q/k/v and gate/up stacked (``wqkv``, ``w13``: one GEMM each, the
+same model and the same AdamW run to float32 rounding; ``ftitan.models.fused``). Not with Muon, which
+orthogonalizes each matrix.
 """
 
 import argparse
@@ -31,11 +34,14 @@ parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
 parser.add_argument("--float8", choices=["", "tensorwise", "rowwise"], default="")
 parser.add_argument("--attn-impl", choices=["sdpa", "gemm", "math", "flex", "auto"], default="sdpa")
+parser.add_argument("--fuse-projections", action="store_true")
 args = parser.parse_args()
+if args.fuse_projections and args.optimizer == "muon":
+    parser.error("--fuse-projections: Muon orthogonalizes each matrix, and wqkv / w13 are several; use adamw")
 
 data = torch.tensor(list(pathlib.Path(torch.__file__).read_bytes()), dtype=torch.long)
 model = llama.model(attrs.evolve(llama.Config.debug(), vocab_size=256, kernels=args.kernels, float8=args.float8,
-                                 attn_impl=args.attn_impl))
+                                 attn_impl=args.attn_impl, fuse_projections=args.fuse_projections))
 params = model.init(ft.random.key(0))
 lr = ft.optim.warmup_cosine(3e-3, warmup=args.steps // 10, total=args.steps)
 if args.optimizer == "muon":  # Muon on hidden matrices, AdamW on embeddings/head/norms

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # muon: slow (40 eager Muon steps, ~35 s); Muon's own tests are in tests/optim, and README's loop (the
 # test below) trains with it compiled. The default tier runs AdamW with --kernels triton (oneDNN GEMMs on
-# the CPU, the autograd path); plain ops train in README's loop below, so their run of this is slow tier, as
+# the CPU, the autograd path) and fused projections; plain ops train in README's loop below, so their run of this is slow tier, as
 # is --float8 rowwise (tests/nn/test_float8.py trains float8 in the default tier).
 SLOW = pytest.mark.slow
 
@@ -30,15 +30,17 @@ def _run(args: list[str], *, timeout: int, ranks: int = 0) -> str:
     return out.stdout
 
 
-@pytest.mark.parametrize("optimizer, kernels, float8, attn", [("adamw", "triton", "", "gemm"),
-                                                              pytest.param("adamw", "torch", "", "sdpa", marks=SLOW),
-                                                              pytest.param("muon", "torch", "", "sdpa", marks=SLOW),
-                                                              pytest.param("adamw", "torch", "rowwise", "sdpa",
-                                                                           marks=SLOW)])  # fmt: skip
-def test_train_loop_example_trains(optimizer, kernels, float8, attn):
+@pytest.mark.parametrize("optimizer, kernels, float8, attn, fuse", [("adamw", "triton", "", "gemm", True),
+                                                                    pytest.param("adamw", "torch", "", "sdpa", False,
+                                                                                 marks=SLOW),
+                                                                    pytest.param("muon", "torch", "", "sdpa", False,
+                                                                                 marks=SLOW),
+                                                                    pytest.param("adamw", "torch", "rowwise", "sdpa",
+                                                                                 False, marks=SLOW)])  # fmt: skip
+def test_train_loop_example_trains(optimizer, kernels, float8, attn, fuse):
     out = _run([str(ROOT / "examples" / "train_loop.py"), "--steps", "40", "--optimizer", optimizer,
-                "--kernels", kernels, "--float8", float8, "--attn-impl", attn, "--no-compile"],
-               timeout=300)  # fmt: skip
+                "--kernels", kernels, "--float8", float8, "--attn-impl", attn, "--no-compile",
+                *(["--fuse-projections"] if fuse else [])], timeout=300)  # fmt: skip
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 5, out
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
