@@ -408,14 +408,16 @@ def _check_rl(cfg: TrainConfig) -> None:
 
 
 def _check_fuse_projections(cfg: TrainConfig) -> None:
-    """--model.fuse-projections: one process, an elementwise optimizer, full fine-tuning, no RL (the trainer's
-    tree holds wqkv / w13, which the head splits of tensor parallelism, Muon's whole-matrix update, LoRA's
-    targets and the generator's weight sync do not read)."""
+    """--model.fuse-projections: data parallelism only, an elementwise optimizer, full fine-tuning, no RL (the
+    trainer's tree holds wqkv / w13, which the head splits of tensor parallelism, Muon's whole-matrix update,
+    LoRA's targets and the generator's weight sync do not read; cp, pp and ep are not tested with it yet)."""
     if not getattr(cfg.model, "fuse_projections", False):
         return
     flag, why = "--model.fuse-projections", None
-    if cfg.parallel.world_size > 1:
-        why = "runs on one process for now; drop it or the --parallel.* degrees"
+    p = cfg.parallel
+    if max(p.tp, p.cp, p.pp, p.ep) > 1:
+        why = ("runs with data parallelism only (--parallel.dp-shard, --parallel.dp-replicate): tensor parallelism "
+               "splits q/k/v by heads; drop it or --parallel.tp/cp/pp/ep")  # fmt: skip
     elif cfg.optim.name.startswith("muon"):
         why = (f"--optim.name {cfg.optim.name} orthogonalizes each matrix, and wqkv / w13 are several; drop it or "
                "use --optim.name adamw")  # fmt: skip

@@ -168,6 +168,7 @@ def attention(
     # -1 heads: under tensor parallelism each rank holds n_heads / tp of them
     inv, kern, f8 = invariant.enabled(cfg), cfg.kernels, getattr(cfg, "float8", "")
     if "wqkv" in p:  # one matmul for q, k, v (ftitan.models.fused: inference, or fuse_projections; no tp)
+        _refuse_fused_under_tp("wqkv")
         sizes = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim)
         q, k, v = nn.linear(x, p["wqkv"], invariant=inv, kernels=kern, float8=f8).split(sizes, dim=-1)
     else:
@@ -196,7 +197,18 @@ def mlp(x: torch.Tensor, p: Mapping[str, torch.Tensor], *, invariant: bool = Fal
     """SwiGLU MLP of ``x`` (B, T_local, D) normed, column-parallel ``w1``/``w3`` and row-parallel ``w2``
     under tensor parallelism; ``invariant``: batch-invariant matmuls (``nn.invariant``); ``kernels``: the
     model's ``kernels`` (``nn.swiglu``); ``float8``: the model's (``ftitan.nn.float8``)."""
+    if "w13" in p:
+        _refuse_fused_under_tp("w13")
     return par.row_output(nn.swiglu(par.column_input(x), **p, invariant=invariant, kernels=kernels, float8=float8))
+
+
+def _refuse_fused_under_tp(leaf: str) -> None:
+    """Stacked projections (``ftitan.models.fused``) stay whole on every tp rank, while the heads and MLP
+    columns they feed are split: refuse them under tensor parallelism, naming the fix."""
+    layout = current()
+    if layout is not None and layout.sizes["tp"] > 1:
+        raise ValueError(f"{leaf}: fused projections do not run under tensor parallelism (tp={layout.sizes['tp']}); "
+                         "train with fuse_projections=False there (--model.fuse-projections False)")
 
 
 def positions_for(tokens: torch.Tensor, positions: torch.Tensor | None, *, family: str,

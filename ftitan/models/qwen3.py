@@ -105,7 +105,7 @@ class Config:
     kernels: str = "torch"  # "torch", "triton" or "helion" (ftitan.kernels on CUDA, their references elsewhere)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 (torchao's recipes, nn.float8)
     remat: str = "none"  # activation rematerialization of each block (ftitan.config.with_remat): "none", "full", ...
-    # params hold [wq; wk; wv] as wqkv and [w1; w3] as w13: one wider GEMM each (ftitan.models.fused; one process)
+    # params hold [wq; wk; wv] as wqkv and [w1; w3] as w13: one wider GEMM each (ftitan.models.fused; no tp)
     fuse_projections: bool = False
     init_std: float = 0.02  # std of the (truncated) normal init; residual outputs wo/w2 get init_std/sqrt(2L)
 

@@ -122,6 +122,8 @@ def _family_specs(model: Model) -> tuple[Any | None, bool]:
     """``(specs, exact)``: the spec tree ``model.init`` draws from when ``init`` is the family's own (else
     ``None``); ``exact``: ``init`` is ``nn.init(specs, ...)`` itself, so every leaf has ``init``'s dtype."""
     init = model.init
+    if getattr(model.config, "fuse_projections", False):  # its leaves are stacks of the specs' (models.fused)
+        return None, False
     if isinstance(init, functools.partial) and init.func is nn.init and len(init.args) == 1 and not init.keywords:
         return init.args[0], True
     module = sys.modules.get(type(model.config).__module__)

@@ -110,6 +110,10 @@ def default_rules() -> Rules:
             ("q_lora", ("dp_shard",)),  # MLA low-rank dims: FSDP where a weight has no embed dim
             ("kv_lora", ("dp_shard",)),
             ("norm", ()),  # norm scales are small: replicated
+            # stacked q|k|v and gate|up rows (ftitan.models.fused): whole rows on every rank (their head
+            # groups are not contiguous per tp rank: models.decoder refuses them under tp); FSDP splits "embed"
+            ("fused_qkv", ()),
+            ("fused_mlp", ()),
         )
     )
 

@@ -125,7 +125,7 @@ class Runtime:
         from ftitan.models import fused, hf
 
         _, params = hf.load_hf_sharded(directory, self.layout, dtype=torch.float32, device=self.device)
-        if getattr(model.config, "fuse_projections", False):  # one process: the checkpoint's leaves, stacked
+        if getattr(model.config, "fuse_projections", False):  # the checkpoint's leaves (or this rank's shards), stacked
             params = fused.fuse_projections(params)
         paths, likes, _ = T.flatten_with_paths(model.init(random.key(0), device="meta"))
         got_paths, got_leaves, _ = T.flatten_with_paths(params)

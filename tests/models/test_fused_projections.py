@@ -156,6 +156,7 @@ def test_config_refusals_name_the_flag(monkeypatch):
     for cfg, why in refused:
         with pytest.raises(ValueError, match=rf"--model\.fuse-projections=True: .*{why}"):
             config.validate(cfg)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: one process only, for now
-    with pytest.raises(ValueError, match=r"--model\.fuse-projections=True: runs on one process"):
-        config.validate(attrs.evolve(on, parallel=attrs.evolve(on.parallel, dp_shard=2)))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun: data parallelism runs it (tests/parallel), tp does not
+    assert config.validate(attrs.evolve(on, parallel=attrs.evolve(on.parallel, dp_shard=4)))
+    with pytest.raises(ValueError, match=r"--model\.fuse-projections=True: runs with data parallelism only"):
+        config.validate(attrs.evolve(on, parallel=attrs.evolve(on.parallel, dp_shard=2, tp=2)))
