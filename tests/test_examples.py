@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # muon: slow (40 eager Muon steps, ~35 s); Muon's own tests are in tests/optim, and README's loop (the
 # test below) trains with it compiled. The default tier runs AdamW with --kernels triton (oneDNN GEMMs on
-# the CPU, the autograd path) and fused projections; plain ops train in README's loop below, so their run of this is slow tier, as
-# is --float8 rowwise (tests/nn/test_float8.py trains float8 in the default tier).
+# the CPU, the autograd path) and fused projections; plain ops train in README's loop below, so their run of
+# this is slow tier, as is --float8 rowwise (tests/nn/test_float8.py trains float8 in the default tier).
 SLOW = pytest.mark.slow
 
 

@@ -28,7 +28,8 @@ def swiglu(
 ) -> torch.Tensor:  # (..., D)
     """``w2(silu(w1 x) * w3 x)``; with ``w13`` (``ftitan.models.fused``: one matmul for gate and up, as
     inference engines do and as a config's ``fuse_projections`` trains) the same function. ``invariant``:
-    batch-invariant matmuls (``ftitan.nn.invariant``). ``kernels="triton"`` (or "helion"): the gating by ``ftitan.kernels.swiglu``.
+    batch-invariant matmuls (``ftitan.nn.invariant``). ``kernels="triton"`` (or "helion"): the gating by
+    ``ftitan.kernels.swiglu``.
     ``float8`` (e.g. "tensorwise"): the three projections in float8 (``ftitan.nn.float8``)."""
     if kernels != "torch" and not invariant:  # "triton", "helion": Triton's; imported here (ftitan.kernels imports nn)
         from ftitan.kernels.swiglu import swiglu_mlp

@@ -137,7 +137,8 @@ def test_hf_checkpoints_keep_the_separate_names(name, tmp_path):
     loaded = Runtime(None, ParallelConfig()).load_hf(family.model(fcfg), str(tmp_path / "hf"))
     _assert_trees_close(loaded, fparams, atol=0)
     # a checkpoint of another shape is refused naming the stacked leaf and the HF tensor
-    bad = dict(state, **{"model.layers.0.self_attn.k_proj.weight": state["model.layers.0.self_attn.k_proj.weight"][:-1]})
+    k = "model.layers.0.self_attn.k_proj.weight"
+    bad = dict(state, **{k: state[k][:-1]})
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.wqkv \(from model\.layers\.0\.self_attn\.k_proj\.weight\)"):
         hf.from_hf(bad, fcfg)
 
