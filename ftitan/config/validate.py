@@ -408,16 +408,16 @@ def _check_rl(cfg: TrainConfig) -> None:
 
 
 def _check_fuse_projections(cfg: TrainConfig) -> None:
-    """--model.fuse-projections: data parallelism only, an elementwise optimizer, full fine-tuning, no RL (the
-    trainer's tree holds wqkv / w13, which the head splits of tensor parallelism, Muon's whole-matrix update,
-    LoRA's targets and the generator's weight sync do not read; cp, pp and ep are not tested with it yet)."""
+    """--model.fuse-projections: no tp or ep, an elementwise optimizer, full fine-tuning, no RL (the trainer's tree
+    holds wqkv / w13, which the head splits of tensor parallelism, Muon's whole-matrix update, LoRA's targets and
+    the generator's weight sync do not read; ep is not tested with it)."""
     if not getattr(cfg.model, "fuse_projections", False):
         return
     flag, why = "--model.fuse-projections", None
     p = cfg.parallel
-    if max(p.tp, p.cp, p.pp, p.ep) > 1:
-        why = ("runs with data parallelism only (--parallel.dp-shard, --parallel.dp-replicate): tensor parallelism "
-               "splits q/k/v by heads; drop it or --parallel.tp/cp/pp/ep")  # fmt: skip
+    if max(p.tp, p.ep) > 1:
+        why = ("runs without tensor or expert parallelism (dp, cp and pp run it): tensor parallelism splits q/k/v "
+               "by heads; drop it or --parallel.tp/ep")  # fmt: skip
     elif cfg.optim.name.startswith("muon"):
         why = (f"--optim.name {cfg.optim.name} orthogonalizes each matrix, and wqkv / w13 are several; drop it or "
                "use --optim.name adamw")  # fmt: skip

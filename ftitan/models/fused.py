@@ -10,7 +10,7 @@ The decoder functions read either layout (``decoder.attention`` reads ``wqkv``, 
   ``init`` stacks the leaves it drew (the same values as the unfused init), so the step runs one
   wider GEMM where it ran three (q, k, v) or two (gate, up), forward and backward. AdamW is
   elementwise, so a fused run follows the unfused one to float32 rounding (the GEMMs sum in another
-  order). FSDP and DDP split or copy the stacked leaves like any other (their logical axes,
+  order). FSDP, DDP, cp and pp split, copy or stage the stacked leaves like any other (their logical axes,
   :data:`FUSED_AXES`, keep the ``embed`` dim FSDP splits); tensor parallelism is refused (its head splits
   do not follow the stacked rows), and so are, by ``ftitan.config``, optimizers that read a whole matrix
   (Muon) and LoRA's targets. Checkpoints in HF's format keep HF's separate names (:func:`fuse_weight_maps`).

@@ -157,7 +157,8 @@ def test_config_refusals_name_the_flag(monkeypatch):
     for cfg, why in refused:
         with pytest.raises(ValueError, match=rf"--model\.fuse-projections=True: .*{why}"):
             config.validate(cfg)
-    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun: data parallelism runs it (tests/parallel), tp does not
-    assert config.validate(attrs.evolve(on, parallel=attrs.evolve(on.parallel, dp_shard=4)))
-    with pytest.raises(ValueError, match=r"--model\.fuse-projections=True: runs with data parallelism only"):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun: dp, cp and pp run it (tests/parallel), tp does not
+    for degrees in (dict(dp_shard=4), dict(dp_shard=2, cp=2)):
+        assert config.validate(attrs.evolve(on, parallel=attrs.evolve(on.parallel, **degrees)))
+    with pytest.raises(ValueError, match=r"--model\.fuse-projections=True: runs without tensor or expert paral"):
         config.validate(attrs.evolve(on, parallel=attrs.evolve(on.parallel, dp_shard=2, tp=2)))

@@ -1,8 +1,9 @@
-"""Fused projections (``fuse_projections=True``: ``wqkv``, ``w13``) under data parallelism, merged into
+"""Fused projections (``fuse_projections=True``: ``wqkv``, ``w13``) on several ranks, merged into
 ``_parity.py``'s launch: the loss and every gradient under dp_shard 4 (FSDP splits the stacked leaves' embed
-dim) and dp_replicate 2 x dp_shard 2 against the single-process fused model, whose gradients
-``tests/models/test_fused_projections.py`` checks against the unfused model; per-rank init
-(``parallel.init_params``) against the single-process init; and tp 2 refused naming the fix.
+dim), dp_replicate 2 x dp_shard 2, dp_shard 2 x cp 2 and the pipeline (pp 2 x dp_shard 2) against the
+single-process fused model, whose gradients ``tests/models/test_fused_projections.py`` checks against the
+unfused model; per-rank init (``parallel.init_params``) against the single-process init; and tp 2 refused
+naming the fix.
 
 Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py fused_dp_shard4``.
 """
@@ -10,11 +11,13 @@ Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py 
 from __future__ import annotations
 
 import attrs
+import torch.distributed as dist
 
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import llama
 from _parity import batch_for, max_diff, parallel_grads, tiny_llama  # torchrun puts this folder on sys.path
+from _checks_pp import _max_over_ranks, _stage_state
 
 
 def _model():
@@ -37,6 +40,25 @@ def grads_check(name: str, degrees: dict[str, int]) -> dict:
             "leaves": sorted(full["layers"]["0"]["attn"]) + sorted(full["layers"]["0"]["mlp"])}  # fmt: skip
 
 
+def pp_check(name: str, degrees: dict[str, int]) -> dict:
+    """The pipeline (1f1b, 2 micro-batches): each stage's stacked leaves, loss and gradients vs one process."""
+    model = _model()
+    params = model.init(ft.random.key(0))
+    batch = batch_for(4, 16, model.config.vocab_size)
+    ref_g, (ref_l, _) = ft.train.value_and_grad(ft.train.next_token_loss(model, chunk_size=24))(params, batch)
+    layout = parallel.Layout(parallel.mesh(**degrees))
+    sharded, shardings = _stage_state(model, params, layout)
+    make = parallel.pipeline_grad(model, layout, schedule="1f1b", n_microbatches=2, chunk_size=24)
+    with parallel.use(layout):
+        g, (l, _) = make(shardings)(parallel.to_local(sharded), parallel.shard_batch(batch, layout))
+    total = l.detach().clone()
+    dist.all_reduce(total)  # weighted losses: 0 off the last stage, sum = the global mean
+    full = parallel.unshard(parallel.from_local(g, sharded))
+    grad_diff = _max_over_ranks(max_diff(full, parallel.stage_params(ref_g, model, layout)))
+    return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": grad_diff,
+            "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
+
+
 def tp_check(name: str, degrees: dict[str, int]) -> dict:
     model = _model()
     params = model.init(ft.random.key(0))
@@ -52,5 +74,7 @@ CHECKS = {
     "fused_dp_shard4": lambda: grads_check("fused_dp_shard4", {"dp_shard": 4}),
     "fused_dp_replicate2_dp_shard2": lambda: grads_check("fused_dp_replicate2_dp_shard2",
                                                          {"dp_replicate": 2, "dp_shard": 2}),
+    "fused_dp_shard2_cp2": lambda: grads_check("fused_dp_shard2_cp2", {"dp_shard": 2, "cp": 2}),
+    "fused_pp2_dp_shard2": lambda: pp_check("fused_pp2_dp_shard2", {"pp": 2, "dp_shard": 2}),
     "fused_tp2_refused": lambda: tp_check("fused_tp2_refused", {"dp_shard": 2, "tp": 2}),
 }
