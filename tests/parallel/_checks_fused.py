@@ -11,13 +11,12 @@ Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py 
 from __future__ import annotations
 
 import attrs
-import torch.distributed as dist
 
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import llama
 from _parity import batch_for, max_diff, parallel_grads, tiny_llama  # torchrun puts this folder on sys.path
-from _checks_pp import _max_over_ranks, _stage_state
+from _checks_pp import pipeline_vs_one_process
 
 
 def _model():
@@ -46,16 +45,8 @@ def pp_check(name: str, degrees: dict[str, int]) -> dict:
     params = model.init(ft.random.key(0))
     batch = batch_for(4, 16, model.config.vocab_size)
     ref_g, (ref_l, _) = ft.train.value_and_grad(ft.train.next_token_loss(model, chunk_size=24))(params, batch)
-    layout = parallel.Layout(parallel.mesh(**degrees))
-    sharded, shardings = _stage_state(model, params, layout)
-    make = parallel.pipeline_grad(model, layout, schedule="1f1b", n_microbatches=2, chunk_size=24)
-    with parallel.use(layout):
-        g, (l, _) = make(shardings)(parallel.to_local(sharded), parallel.shard_batch(batch, layout))
-    total = l.detach().clone()
-    dist.all_reduce(total)  # weighted losses: 0 off the last stage, sum = the global mean
-    full = parallel.unshard(parallel.from_local(g, sharded))
-    grad_diff = _max_over_ranks(max_diff(full, parallel.stage_params(ref_g, model, layout)))
-    return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": grad_diff,
+    total, grad_diff = pipeline_vs_one_process(model, params, batch, ref_g, parallel.Layout(parallel.mesh(**degrees)))
+    return {"check": name, "loss_diff": abs(total - float(ref_l)), "grad_diff": grad_diff,
             "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
 
 

@@ -9,6 +9,8 @@ training steps) with a single-process run; results are reduced to rank 0
 
 from __future__ import annotations
 
+import contextlib
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -46,6 +48,19 @@ def _stage_state(model, params, layout):
     axes = parallel.stage_params(model.param_axes, model, layout)
     sharded = parallel.shard_params(stage, axes, layout.rules, layout)
     return sharded, ft.tree.map(parallel.sharding_of, sharded)
+
+
+def pipeline_vs_one_process(model, params, batch, ref_g, layout, context=None) -> tuple[float, float]:
+    """The 1f1b pipeline (2 micro-batches, under ``context`` if given) on ``params``: ``(its loss summed over
+    ranks, the largest difference over ranks of its gradients from ref_g)``, one process's gradients."""
+    sharded, shardings = _stage_state(model, params, layout)
+    make = parallel.pipeline_grad(model, layout, schedule="1f1b", n_microbatches=2, chunk_size=24)
+    with context or contextlib.nullcontext(), parallel.use(layout):
+        g, (l, _) = make(shardings)(parallel.to_local(sharded), parallel.shard_batch(batch, layout))
+    total = l.detach().clone()
+    dist.all_reduce(total)  # weighted losses: 0 off the last stage, sum = the global mean
+    full = parallel.unshard(parallel.from_local(g, sharded))
+    return float(total), _max_over_ranks(max_diff(full, parallel.stage_params(ref_g, model, layout)))
 
 
 def _expected_sends(layout, model, local_rows: int, n_microbatches: int) -> int:

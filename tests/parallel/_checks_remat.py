@@ -13,7 +13,6 @@ import contextlib
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import ftitan as ft
@@ -21,7 +20,7 @@ from ftitan import parallel
 from ftitan.models import llama
 from ftitan.train import regional
 from _parity import batch_for, max_diff, parallel_grads  # torchrun puts this folder on sys.path
-from _checks_pp import _max_over_ranks, _stage_state
+from _checks_pp import pipeline_vs_one_process
 
 
 def _setup(policy: str):
@@ -52,15 +51,8 @@ def fsdp_check(name: str, policy: str, degrees: dict[str, int], *, compiled: boo
 def pp_check(name: str, policy: str, degrees: dict[str, int], *, compiled: bool = False) -> dict:
     model, params, batch, ref_g, ref_l = _setup(policy)
     layout = parallel.Layout(parallel.mesh(**degrees))
-    sharded, shardings = _stage_state(model, params, layout)
-    make = parallel.pipeline_grad(model, layout, schedule="1f1b", n_microbatches=2, chunk_size=24)
-    with _context(compiled), parallel.use(layout):
-        g, (l, _) = make(shardings)(parallel.to_local(sharded), parallel.shard_batch(batch, layout))
-    total = l.detach().clone()
-    dist.all_reduce(total)  # weighted losses: 0 off the last stage, sum = the global mean
-    full = parallel.unshard(parallel.from_local(g, sharded))
-    grad_diff = _max_over_ranks(max_diff(full, parallel.stage_params(ref_g, model, layout)))
-    return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": grad_diff,
+    total, grad_diff = pipeline_vs_one_process(model, params, batch, ref_g, layout, _context(compiled))
+    return {"check": name, "loss_diff": abs(total - float(ref_l)), "grad_diff": grad_diff,
             "graphs": counters["stats"]["unique_graphs"]}  # fmt: skip
 
 

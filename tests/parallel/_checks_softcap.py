@@ -10,13 +10,12 @@ Run alone: ``torchrun --standalone --nproc-per-node 4 tests/parallel/_parity.py 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import muse_glimmer
 from _parity import batch_for, max_diff, parallel_grads  # torchrun puts this folder on sys.path
-from _checks_pp import _max_over_ranks, _stage_state
+from _checks_pp import pipeline_vs_one_process
 
 CAP = 2.0
 
@@ -48,16 +47,8 @@ def tp_check(name: str, degrees: dict[str, int]) -> dict:
 
 def pp_check(name: str, degrees: dict[str, int]) -> dict:
     model, params, batch, _, ref_g, ref_l, facts = _setup()
-    layout = parallel.Layout(parallel.mesh(**degrees))
-    sharded, shardings = _stage_state(model, params, layout)
-    make = parallel.pipeline_grad(model, layout, schedule="1f1b", n_microbatches=2, chunk_size=24)
-    with parallel.use(layout):
-        g, (l, _) = make(shardings)(parallel.to_local(sharded), parallel.shard_batch(batch, layout))
-    total = l.detach().clone()
-    dist.all_reduce(total)  # weighted losses: 0 off the last stage, sum = the global mean
-    full = parallel.unshard(parallel.from_local(g, sharded))
-    grad_diff = _max_over_ranks(max_diff(full, parallel.stage_params(ref_g, model, layout)))
-    return {"check": name, **facts, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": grad_diff}
+    total, grad_diff = pipeline_vs_one_process(model, params, batch, ref_g, parallel.Layout(parallel.mesh(**degrees)))
+    return {"check": name, **facts, "loss_diff": abs(total - float(ref_l)), "grad_diff": grad_diff}
 
 
 CHECKS = {
