@@ -106,11 +106,10 @@ def fuse_weight_maps(maps: Sequence[Any], unfused: tree.Tree) -> list[Any]:
     by_path = {m.path: m for m in maps}
     groups: dict[str, list[tuple[int, int, Any]]] = {}
     for path, (fused, start, end) in slices.items():
-        groups.setdefault(fused, []).append((start, end, by_path[path]))
-    for path in slices:
         m = by_path[path]
         if len(m.names) != 1 or m.to_hf is not None or m.from_hf is not None:
             raise ValueError(f"{path}: fusing needs a plain rename to one checkpoint name, got {m.names}")
+        groups.setdefault(fused, []).append((start, end, m))
     out = [m for m in maps if m.path not in slices]
     for fused, parts in groups.items():
         parts.sort(key=lambda p: p[0])
