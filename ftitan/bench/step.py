@@ -341,6 +341,7 @@ def run(opts: Options) -> dict[str, Any]:
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
+    from ftitan.kernels import onednn
     from ftitan.kernels.op import check_kernels
 
     check_kernels(opts.kernels, "--kernels")
@@ -423,6 +424,7 @@ def run(opts: Options) -> dict[str, Any]:
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak
         "device_peak": device_peak,
         "loader": loader_speed,
+        "gemm_tn": onednn.tn_choices(),  # the library each weight-gradient shape ran in (ftitan.kernels.onednn)
         "model_flops_per_token": flops_per_token,
         "results": results,
         "skipped": skipped,

@@ -104,7 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _fused_forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int,
                    cap: float | None, onednn_gemms: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``_LinearCrossEntropy``'s forward: the loss and both gradients, chunk by chunk; ``onednn_gemms``: the
-    logits and ``grad_h`` GEMMs in oneDNN (``ftitan.kernels.onednn``), ``grad_w``'s in ``aten::mm``."""
+    logits and ``grad_h`` GEMMs in oneDNN (``ftitan.kernels.onednn``), ``grad_w``'s by its ``gemm_tn``."""
     w32 = w.to(_acc_dtype(w))
     total = torch.zeros((), dtype=w32.dtype, device=h.device)
     grad_h = torch.empty_like(h)
@@ -123,7 +123,8 @@ def _fused_forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chun
         keep = valid[:, None].to(w32.dtype)  # (C, 1)
         dh = onednn.gemm_nt(dlogits, w32.t()) if onednn_gemms else dlogits @ w32
         grad_h[start : start + chunk_size] = (dh * keep).to(h.dtype)
-        contrib = dlogits.T @ (hc.to(w32.dtype) * keep)  # (V, D)
+        hk = hc.to(w32.dtype) * keep
+        contrib = onednn.gemm_tn(dlogits, hk) if onednn_gemms else dlogits.T @ hk  # (V, D)
         grad_w = contrib if grad_w is None else grad_w + contrib
     return total, grad_h, grad_w.to(w.dtype)
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from ftitan.bench import step
+from ftitan.kernels import onednn
 
 
 def test_quick_run_reports_results_ratios_and_goals(tmp_path, capsys):
@@ -114,6 +115,7 @@ def test_streaming_loader_is_measured_beside_pretokenized_data(capsys):
     assert abs(printed["ratios"]["ftitan-compiled-streaming/ftitan-compiled"] - want) < 1e-9
     assert printed["goals"]["ftitan-compiled-streaming/ftitan-compiled"] == 0.95
     assert printed["loader"]["tokens_per_s"] > 0 and printed["loader"]["tokens"] > 0
+    assert set(printed["gemm_tn"].values()) <= {*onednn.TN_LIBRARIES}  # the weight gradients' picks, reported
 
 
 def test_defaults_judge_the_issue_goals():

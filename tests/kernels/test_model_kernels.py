@@ -101,20 +101,22 @@ def test_on_cpu_the_triton_model_is_the_torch_model_bit_for_bit(name, monkeypatc
 
 def test_on_cpu_the_triton_model_runs_its_gemms_in_onednn(monkeypatch):
     """With oneDNN's size floors lifted, the tiny llama's seven projections per layer run there (forward and
-    input gradient), and the fused loss's logits and ``grad_h`` GEMMs; eager and compiled (aot_eager, the
+    input gradient; the weight gradient by ``gemm_tn``), and the fused loss's logits and ``grad_h`` GEMMs; eager and compiled (aot_eager, the
     autograd path traced), the logits and gradients are the torch model's to float32 rounding."""
     monkeypatch.setattr(k_onednn, "MIN_WEIGHT", 0)
     monkeypatch.setattr(k_onednn, "MIN_FLOP", 0)
     torch_model, triton_model = _models("llama")
     params, batch = torch_model.init(ft.random.key(0)), _batch()
     the_op = k_onednn._linear_op
-    spy = Spy(monkeypatch, k_onednn, ("_linear_op",))
+    the_tn = k_onednn._tn_op
+    spy = Spy(monkeypatch, k_onednn, ("_linear_op", "_tn_op"))
     grad_fn = ft.train.value_and_grad(ft.train.next_token_loss(triton_model), impl="autograd")
     got = grad_fn(params, batch)
     layers = SHRINK["n_layers"]
-    assert spy.calls == {"_linear_op": 2 * 7 * layers + 2}
+    assert spy.calls == {"_linear_op": 2 * 7 * layers + 2, "_tn_op": 7 * layers + 1}  # + weight gradients
     logits = triton_model.apply(params, batch["inputs"])[0]
-    assert spy.calls == {"_linear_op": 2 * 7 * layers + 2 + 7 * layers + 1}  # no gradient: forwards and the head
+    # no gradient: forwards and the head
+    assert spy.calls == {"_linear_op": 2 * 7 * layers + 2 + 7 * layers + 1, "_tn_op": 7 * layers + 1}
     want = ft.train.value_and_grad(ft.train.next_token_loss(torch_model))(params, batch)
     torch.testing.assert_close(logits, torch_model.apply(params, batch["inputs"])[0], **F32)
     torch.testing.assert_close(got, want, **F32)
@@ -125,10 +127,12 @@ def test_on_cpu_the_triton_model_runs_its_gemms_in_onednn(monkeypatch):
         return torch._dynamo.backends.debugging.aot_eager(gm, example)
 
     monkeypatch.setattr(k_onednn, "_linear_op", the_op)  # dynamo refuses the spy's count inside a Function
+    monkeypatch.setattr(k_onednn, "_tn_op", the_tn)
     torch._dynamo.reset()
     compiled = torch.compile(grad_fn, backend=backend, fullgraph=True)(params, batch)
     torch._dynamo.reset()
     assert "\n".join(graphs).count("ftitan_kernels.onednn_linear") >= 2 * 7 * layers + 2
+    assert "\n".join(graphs).count("ftitan_kernels.gemm_tn") >= 7 * layers + 1
     torch.testing.assert_close(compiled, want, **F32)
 
 

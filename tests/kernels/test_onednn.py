@@ -17,6 +17,7 @@ from tests.kernels._kernel_checks import Spy
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 OP_EVENT = "ftitan_kernels::onednn_linear"
+TN_EVENT = "ftitan_kernels::gemm_tn"
 
 
 def _inputs(rows=64, k=512, n=512, seed=0):
@@ -40,9 +41,9 @@ def _reference(x, w, cot):
 def test_linear_and_its_gradients_match_a_float64_reference(monkeypatch):
     x, w, cot = _inputs()
     assert onednn.usable(x, w)
-    spy = Spy(monkeypatch, onednn, ("_linear_op",))
+    spy = Spy(monkeypatch, onednn, ("_linear_op", "_tn_op"))
     got = _value_and_grads(onednn.linear, x, w, cot)
-    assert spy.calls == {"_linear_op": 2}  # the forward and the input gradient; the weight gradient is aten::mm
+    assert spy.calls == {"_linear_op": 2, "_tn_op": 1}  # the forward and the input gradient; the weight gradient
     torch.testing.assert_close(got, _reference(x, w, cot), **TOL)
     b = torch.randn(w.shape[0])
     torch.testing.assert_close(onednn.linear(x, w, b), F.linear(x.double(), w.double(), b.double()).float(), **TOL)
@@ -61,13 +62,14 @@ def test_inductor_compiles_it_with_the_same_gradients():
     finally:
         torch._dynamo.config.trace_autograd_ops = before
         torch._dynamo.reset()
-    assert sum(e.count for e in prof.key_averages() if e.key == OP_EVENT) == 2  # the op ran from inductor's code
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts[OP_EVENT] == 2 and counts[TN_EVENT] == 1  # the ops ran from inductor's code
     torch.testing.assert_close(got, _reference(x, w, cot), **TOL)
 
 
 def test_torch_func_transforms_run_f_linear_bit_for_bit(monkeypatch):
     x, w, cot = _inputs(seed=2)
-    spy = Spy(monkeypatch, onednn, ("_linear_op",))
+    spy = Spy(monkeypatch, onednn, ("_linear_op", "_tn_op"))
     assert torch.equal(torch.func.grad(lambda w: (onednn.linear(x, w) * cot).sum())(w),
                        torch.func.grad(lambda w: (F.linear(x, w) * cot).sum())(w))
     assert torch.equal(torch.func.vmap(onednn.linear, in_dims=(0, None))(x, w), torch.func.vmap(F.linear, (0, None))(x, w))
@@ -106,3 +108,54 @@ def test_usable_only_for_float32_cpu_gemms_worth_the_call(case, want):
     assert onednn.usable(x, w) is want
     if case == "bfloat16":
         assert onednn.usable(x, w, dtype=torch.float32)  # a caller that casts to float32 first (the fused loss)
+
+
+@pytest.fixture
+def fresh_tn(monkeypatch):
+    """gemm_tn's per-shape picks and pin, as a new process has them."""
+    monkeypatch.setattr(onednn, "_tn_choice", {})
+    monkeypatch.setattr(onednn, "_tn_pinned", None)
+
+
+def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_tn):
+    g = torch.Generator().manual_seed(4)
+    gr, x = torch.randn(96, 384, generator=g), torch.randn(96, 512, generator=g)
+    want = (gr.double().t() @ x.double()).float()
+    event = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
+    for library in onednn.TN_LIBRARIES:
+        onednn.pin_tn(library)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = onednn.gemm_tn(gr, x)
+        ran = {e.key for e in prof.key_averages()}
+        assert event[library] in ran and not (set(event.values()) - {event[library]}) & ran, (library, ran)
+        assert got.shape == (384, 512) and got.is_contiguous()
+        torch.testing.assert_close(got, want, **TOL)
+    assert onednn.tn_choices() == {"pinned": "onednn"}
+    torch.library.opcheck(onednn._tn_op, (gr.t().contiguous(), x))  # the fake's shape and layout are the op's
+    onednn.pin_tn(None)
+    torch.testing.assert_close(onednn.gemm_tn(gr, x), want, **TOL)
+    picks = onednn.tn_choices()
+    assert list(picks) == ["96x384x512"] and picks["96x384x512"] in onednn.TN_LIBRARIES  # probed once, kept
+    with pytest.raises(ValueError, match=r"pin_tn\('mkl'\): expected one of \('aten', 'onednn'\)"):
+        onednn.pin_tn("mkl")
+
+
+@pytest.mark.parametrize("slower, want", [("aten", "onednn"), ("onednn", "aten"), ("neither", "aten")])
+def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fresh_tn, slower, want):
+    """The per-shape probe times both libraries on the operands: here one is slowed by 5 ms a call (far more
+    than either GEMM), so the faster is known; within TN_MARGIN (a tie) aten::mm stays."""
+    import time
+
+    def slowed(fn):
+        def run(*args):
+            time.sleep(0.005)
+            return fn(*args)
+
+        return run
+
+    if slower != "neither":
+        monkeypatch.setattr(onednn, f"_tn_{slower}", slowed(getattr(onednn, f"_tn_{slower}")))
+    else:  # equal times: aten wins the tie
+        monkeypatch.setattr(onednn.time, "perf_counter", iter(range(1000)).__next__)
+    gt, x = torch.randn(16, 8), torch.randn(8, 4)  # gt @ x: (16, 4)
+    assert onednn._tn_probe(gt, x) == want
