@@ -101,8 +101,9 @@ def test_on_cpu_the_triton_model_is_the_torch_model_bit_for_bit(name, monkeypatc
 
 def test_on_cpu_the_triton_model_runs_its_gemms_in_onednn(monkeypatch):
     """With oneDNN's size floors lifted, the tiny llama's seven projections per layer run there (forward and
-    input gradient; the weight gradient by ``gemm_tn``), and the fused loss's logits and ``grad_h`` GEMMs; eager and compiled (aot_eager, the
-    autograd path traced), the logits and gradients are the torch model's to float32 rounding."""
+    input gradient; the weight gradient by ``gemm_tn``), and the fused loss's logits and ``grad_h`` GEMMs;
+    eager and compiled (aot_eager, the autograd path traced), the logits and gradients are the torch model's
+    to float32 rounding."""
     monkeypatch.setattr(k_onednn, "MIN_WEIGHT", 0)
     monkeypatch.setattr(k_onednn, "MIN_FLOP", 0)
     torch_model, triton_model = _models("llama")
