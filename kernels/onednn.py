@@ -104,55 +104,60 @@ def tn_choices() -> dict[str, str]:
     return picks | ({"pinned": _tn_pinned} if _tn_pinned else {})
 
 
-def _tn_aten(gt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return gt @ x
+def _tn_aten(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return g.t() @ x  # MKL reads both transposed as they lie
 
 
-def _tn_onednn(gt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    # gt @ (x.T).T: oneDNN reads x.T as a transposed weight view
-    return _onednn_linear_impl(gt, x.t())
+def _tn_onednn(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # a.T @ b as (a.T) @ (b.T).T: oneDNN reads b.T as a transposed weight view, and its input a.T is copied
+    # dense; the operands are taken in the order that copies the fewer elements (g.T, or x.T and the result)
+    rows, m, n = g.shape[0], g.shape[1], x.shape[1]
+    if rows * m <= rows * n + m * n:
+        return _onednn_linear_impl(g.t(), x.t())
+    return _onednn_linear_impl(x.t(), g.t()).t().contiguous()
 
 
-def _tn_probe(gt: torch.Tensor, x: torch.Tensor) -> str:
-    """The library for ``gt @ x``: each timed on these operands (one untimed call, then medians)."""
+def _tn_probe(g: torch.Tensor, x: torch.Tensor) -> str:
+    """The library for ``g.T @ x``: each timed on these operands (one untimed call, then medians)."""
     times = {}
     for name, fn in (("aten", _tn_aten), ("onednn", _tn_onednn)):
-        fn(gt, x)
+        fn(g, x)
         runs = []
         for _ in range(_TN_PROBE_CALLS):
             start = time.perf_counter()
-            fn(gt, x)
+            fn(g, x)
             runs.append(time.perf_counter() - start)
         times[name] = sorted(runs)[len(runs) // 2]
     return "onednn" if times["onednn"] * TN_MARGIN <= times["aten"] else "aten"
 
 
-def _gemm_tn_impl(gt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _gemm_tn_impl(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     library = _tn_pinned
     if library is None:
-        key = (x.shape[0], gt.shape[0], x.shape[1])
+        key = (g.shape[0], g.shape[1], x.shape[1])
         library = _tn_choice.get(key)
         if library is None:
-            library = _tn_choice[key] = _tn_probe(gt, x)
-    return _tn_onednn(gt, x) if library == "onednn" else _tn_aten(gt, x)
+            library = _tn_choice[key] = _tn_probe(g, x)
+    return _tn_onednn(g, x) if library == "onednn" else _tn_aten(g, x)
 
 
-def _gemm_tn_fake(gt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return gt.new_empty((gt.shape[0], x.shape[1]))
+def _gemm_tn_fake(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return g.new_empty((g.shape[1], x.shape[1]))
 
 
-_tn_op = op.define("gemm_tn", "(Tensor gt, Tensor x) -> Tensor", _gemm_tn_impl, _gemm_tn_fake, keys=("CPU",))
+_tn_op = op.define("gemm_tn", "(Tensor g, Tensor x) -> Tensor", _gemm_tn_impl, _gemm_tn_fake, keys=("CPU",))
 
 
 def gemm_tn(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``g.T @ x`` for 2-D float32 CPU tensors with the same rows (a weight gradient: ``g`` the output
     gradient, ``x`` the input), without a derivative, in the library the module docstring's "weight gradient"
-    picks for the shape; ``aten::mm`` where oneDNN is missing. ``g.T`` is made dense in the caller's graph
-    (inductor writes it, fused with its producer where it can: 0.518 against 0.542 s a step when oneDNN
-    copied it inside the op, Zen 5, three processes each), and both libraries read it as it lies."""
+    picks for the shape; ``aten::mm`` where oneDNN is missing. Both operands are taken as they lie: the
+    probe then times oneDNN with the dense copy it needs (a ``g.T`` made in the caller's graph instead, which
+    inductor fused into ``g``'s producer as a slow transposed store, was no faster: 0.502-0.517 against
+    0.511-0.543 s a step, Zen 5, three processes each)."""
     if not available():
         return g.t() @ x
-    return _tn_op(g.t().contiguous(), x)
+    return _tn_op(g, x)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, *, dtype: torch.dtype | None = None) -> bool:

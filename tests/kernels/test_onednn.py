@@ -117,9 +117,10 @@ def fresh_tn(monkeypatch):
     monkeypatch.setattr(onednn, "_tn_pinned", None)
 
 
-def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_tn):
+@pytest.mark.parametrize("rows, m, n", [(96, 384, 512), (256, 768, 64)])  # oneDNN copies g.T; x.T and the result
+def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_tn, rows, m, n):
     g = torch.Generator().manual_seed(4)
-    gr, x = torch.randn(96, 384, generator=g), torch.randn(96, 512, generator=g)
+    gr, x = torch.randn(rows, m, generator=g) * rows**-0.5, torch.randn(rows, n, generator=g)  # sums ~ 1
     want = (gr.double().t() @ x.double()).float()
     event = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
     for library in onednn.TN_LIBRARIES:
@@ -128,14 +129,14 @@ def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_
             got = onednn.gemm_tn(gr, x)
         ran = {e.key for e in prof.key_averages()}
         assert event[library] in ran and not (set(event.values()) - {event[library]}) & ran, (library, ran)
-        assert got.shape == (384, 512) and got.is_contiguous()
+        assert got.shape == (m, n) and got.is_contiguous()
         torch.testing.assert_close(got, want, **TOL)
     assert onednn.tn_choices() == {"pinned": "onednn"}
-    torch.library.opcheck(onednn._tn_op, (gr.t().contiguous(), x))  # the fake's shape and layout are the op's
+    torch.library.opcheck(onednn._tn_op, (gr, x))  # the fake's shape and layout are the op's
     onednn.pin_tn(None)
     torch.testing.assert_close(onednn.gemm_tn(gr, x), want, **TOL)
     picks = onednn.tn_choices()
-    assert list(picks) == ["96x384x512"] and picks["96x384x512"] in onednn.TN_LIBRARIES  # probed once, kept
+    assert list(picks) == [f"{rows}x{m}x{n}"] and picks[f"{rows}x{m}x{n}"] in onednn.TN_LIBRARIES  # probed, kept
     with pytest.raises(ValueError, match=r"pin_tn\('mkl'\): expected one of \('aten', 'onednn'\)"):
         onednn.pin_tn("mkl")
 
@@ -157,5 +158,5 @@ def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fre
         monkeypatch.setattr(onednn, f"_tn_{slower}", slowed(getattr(onednn, f"_tn_{slower}")))
     else:  # equal times: aten wins the tie
         monkeypatch.setattr(onednn.time, "perf_counter", iter(range(1000)).__next__)
-    gt, x = torch.randn(16, 8), torch.randn(8, 4)  # gt @ x: (16, 4)
-    assert onednn._tn_probe(gt, x) == want
+    g, x = torch.randn(8, 16), torch.randn(8, 4)  # g.T @ x: (16, 4)
+    assert onednn._tn_probe(g, x) == want
