@@ -4,8 +4,12 @@ The reference is ``F.linear`` in float64 (an independent GEMM): oneDNN's float32
 only in summation order, so values and gradients agree with it to float32 rounding (rtol 1e-5 over
 K = 512 terms), eager and compiled with inductor (the op is opaque there: inductor's own lowering of
 ``_linear_pointwise`` takes frozen weights only). Under ``torch.func`` transforms the plain ``F.linear``
-runs, bit for bit, and the op is never called; a double backward runs plain ops.
+runs, bit for bit, and the op is never called; a double backward runs plain ops. The weight gradient's
+``gemm_tn`` is checked in each library against a float64 product, and its probe against known timings.
 """
+
+import time
+import types
 
 import pytest
 import torch
@@ -145,7 +149,6 @@ def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_
 def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fresh_tn, slower, want):
     """The per-shape probe times both libraries on the operands: here one is slowed by 5 ms a call (far more
     than either GEMM), so the faster is known; within TN_MARGIN (a tie) aten::mm stays."""
-    import time
 
     def slowed(fn):
         def run(*args):
@@ -157,6 +160,6 @@ def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fre
     if slower != "neither":
         monkeypatch.setattr(onednn, f"_tn_{slower}", slowed(getattr(onednn, f"_tn_{slower}")))
     else:  # equal times: aten wins the tie
-        monkeypatch.setattr(onednn.time, "perf_counter", iter(range(1000)).__next__)
+        monkeypatch.setattr(onednn, "time", types.SimpleNamespace(perf_counter=iter(range(1000)).__next__))
     g, x = torch.randn(8, 16), torch.randn(8, 4)  # g.T @ x: (16, 4)
     assert onednn._tn_probe(g, x) == want
