@@ -14,15 +14,18 @@ not bit for bit.
 - **The weight gradient** ``g.T @ x`` (:func:`gemm_tn`, also the fused
   cross-entropy's head gradient) runs in whichever library is faster for its
   shape on this machine: the first call of each shape times both (a few
-  calls each, once per process) and keeps oneDNN only where it is at least
-  :data:`TN_MARGIN` faster than ``aten::mm``. Measured (2 threads): on an
+  calls each) and keeps oneDNN only where it is at least :data:`TN_MARGIN`
+  faster than ``aten::mm``; the pick is remembered per machine (CPU,
+  threads, torch) in :data:`TN_CACHE` under ftitan's cache root, so later
+  processes there take the same library without probing and reruns stay
+  bit for bit. Measured (2 threads): on an
   AMD EPYC whose AVX512 runs at half width (oneDNN's 2048^3 peak 212
   GFLOP/s) ``aten::mm`` was as fast or faster for that layout; on one with
   full-width AVX512 (Zen 5, peak 440) oneDNN ran the model's weight
   gradients 1.7-2x faster (335-426 against 190-209 GFLOP/s: MKL's ``sgemm``
   stays near its half-width speed there). :func:`tn_choices` reports the
-  picks; :func:`pin_tn` fixes the library (e.g. for bit-for-bit runs across
-  processes: the two differ in summation order only).
+  picks; :func:`pin_tn` fixes the library in a process (e.g. to compare the
+  two: they differ in summation order only).
 - **The ops.** ``ftitan_kernels::onednn_linear`` and ``ftitan_kernels::gemm_tn``
   (``ftitan.kernels.op.define``), opaque nodes to ``torch.compile(
   fullgraph=True)``: inductor's own lowering of ``_linear_pointwise`` takes
@@ -40,15 +43,21 @@ not bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ftitan._cache import cache_root
 from ftitan.kernels import op
 
-__all__ = ["MIN_FLOP", "MIN_WEIGHT", "TN_LIBRARIES", "TN_MARGIN", "available", "gemm_nt", "gemm_tn", "linear",
+__all__ = ["MIN_FLOP", "MIN_WEIGHT", "TN_CACHE", "TN_LIBRARIES", "TN_MARGIN", "available", "gemm_nt", "gemm_tn", "linear",
            "pin_tn", "tn_choices", "usable"]
 
 MIN_WEIGHT = 1 << 18  # in * out elements: from here oneDNN won at every row count measured (1 to 1024 rows)
@@ -84,7 +93,7 @@ def gemm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 TN_LIBRARIES = ("aten", "onednn")
 TN_MARGIN = 1.05  # oneDNN must be this much faster than aten::mm to run a shape's g.T @ x (ties keep aten)
 _TN_PROBE_CALLS = 3  # timed calls per library (after one untimed), medians compared
-_tn_choice: dict[tuple[int, int, int], str] = {}  # (rows, m, n) -> library, probed once per process
+_tn_choice: dict[tuple[int, int, int], str] = {}  # (rows, m, n) -> library, this process's picks
 _tn_pinned: str | None = None
 
 
@@ -131,14 +140,60 @@ def _tn_probe(g: torch.Tensor, x: torch.Tensor) -> str:
     return "onednn" if times["onednn"] * TN_MARGIN <= times["aten"] else "aten"
 
 
-def _gemm_tn_impl(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    library = _tn_pinned
+TN_CACHE = "gemm_tn.json"  # under ftitan's cache root: {machine: {"rows x m x n": library}}
+
+
+def _tn_machine() -> str:
+    """What the picks depend on: the CPU, the thread count, torch."""
+    cpu = platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+
+
+def _tn_saved() -> tuple[Path, dict[str, dict[str, str]]]:
+    path = cache_root() / TN_CACHE
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        saved = {}
+    return path, saved if isinstance(saved, dict) else {}
+
+
+def _tn_remember(shape: str, library: str) -> None:
+    """Add a pick to the cache file (read, merge, write a temporary file, rename: a reader never sees half a
+    file); an unwritable cache only costs the next process a probe."""
+    path, saved = _tn_saved()
+    saved.setdefault(_tn_machine(), {})[shape] = library
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+
+def _tn_library(g: torch.Tensor, x: torch.Tensor) -> str:
+    """The pinned library, else this shape's pick: this process's, the cache file's for this machine (so
+    reruns on a machine take the same libraries, bit for bit), or a new probe's, remembered in both."""
+    if _tn_pinned is not None:
+        return _tn_pinned
+    key = (g.shape[0], g.shape[1], x.shape[1])
+    library = _tn_choice.get(key)
     if library is None:
-        key = (g.shape[0], g.shape[1], x.shape[1])
-        library = _tn_choice.get(key)
-        if library is None:
-            library = _tn_choice[key] = _tn_probe(g, x)
-    return _tn_onednn(g, x) if library == "onednn" else _tn_aten(g, x)
+        shape = "x".join(map(str, key))
+        library = _tn_saved()[1].get(_tn_machine(), {}).get(shape)
+        if library not in TN_LIBRARIES:
+            library = _tn_probe(g, x)
+            _tn_remember(shape, library)
+        _tn_choice[key] = library
+    return library
+
+
+def _gemm_tn_impl(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return _tn_onednn(g, x) if _tn_library(g, x) == "onednn" else _tn_aten(g, x)
 
 
 def _gemm_tn_fake(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

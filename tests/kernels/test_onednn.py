@@ -8,6 +8,7 @@ runs, bit for bit, and the op is never called; a double backward runs plain ops.
 ``gemm_tn`` is checked in each library against a float64 product, and its probe against known timings.
 """
 
+import json
 import time
 import types
 
@@ -115,10 +116,12 @@ def test_usable_only_for_float32_cpu_gemms_worth_the_call(case, want):
 
 
 @pytest.fixture
-def fresh_tn(monkeypatch):
-    """gemm_tn's per-shape picks and pin, as a new process has them."""
+def fresh_tn(monkeypatch, tmp_path):
+    """gemm_tn's per-shape picks and pin, as a new process has them, with an empty cache root."""
     monkeypatch.setattr(onednn, "_tn_choice", {})
     monkeypatch.setattr(onednn, "_tn_pinned", None)
+    monkeypatch.setenv("FTITAN_CACHE_DIR", str(tmp_path))
+    return tmp_path
 
 
 @pytest.mark.parametrize("rows, m, n", [(96, 384, 512), (256, 768, 64)])  # oneDNN copies g.T; x.T and the result
@@ -163,3 +166,28 @@ def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fre
         monkeypatch.setattr(onednn, "time", types.SimpleNamespace(perf_counter=iter(range(1000)).__next__))
     g, x = torch.randn(8, 16), torch.randn(8, 4)  # g.T @ x: (16, 4)
     assert onednn._tn_probe(g, x) == want
+
+
+def test_picks_are_remembered_per_machine_so_a_new_process_takes_them_without_probing(monkeypatch, fresh_tn):
+    g, x = torch.randn(64, 256), torch.randn(64, 128)
+    onednn.gemm_tn(g, x)
+    picked = onednn.tn_choices()["64x256x128"]
+    saved = json.loads((fresh_tn / onednn.TN_CACHE).read_text())
+    assert saved == {onednn._tn_machine(): {"64x256x128": picked}}
+    other = next(lib for lib in onednn.TN_LIBRARIES if lib != picked)  # the file decides, not a new probe
+    saved[onednn._tn_machine()]["64x256x128"] = other
+    (fresh_tn / onednn.TN_CACHE).write_text(json.dumps(saved))
+    monkeypatch.setattr(onednn, "_tn_choice", {})  # a new process
+    monkeypatch.setattr(onednn, "_tn_probe", lambda g, x: pytest.fail("probed a shape the cache file holds"))
+    torch.testing.assert_close(onednn.gemm_tn(g, x), (g.double().t() @ x.double()).float(), **TOL)
+    assert onednn.tn_choices() == {"64x256x128": other}
+    assert not list(fresh_tn.glob("*.tmp"))  # written by rename
+
+
+def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fresh_tn):
+    (fresh_tn / onednn.TN_CACHE).write_text("{not json")
+    probes = []
+    monkeypatch.setattr(onednn, "_tn_probe", lambda g, x: probes.append(1) or "aten")
+    onednn.gemm_tn(torch.randn(8, 16), torch.randn(8, 4))
+    assert probes == [1]
+    assert json.loads((fresh_tn / onednn.TN_CACHE).read_text()) == {onednn._tn_machine(): {"8x16x4": "aten"}}
