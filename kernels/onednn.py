@@ -15,7 +15,7 @@ not bit for bit.
   cross-entropy's head gradient) runs in whichever library is faster for its
   shape on this machine: the first call of each shape times both (a few
   calls each) and keeps oneDNN only where it is at least :data:`TN_MARGIN`
-  faster than ``aten::mm``; the pick is remembered per machine (CPU,
+  faster than ``aten::mm``; the pick is remembered per machine (CPU model,
   threads, torch) in :data:`TN_CACHE` under ftitan's cache root, so later
   processes there take the same library without probing and reruns stay
   bit for bit. Measured (2 threads): on an
@@ -144,14 +144,18 @@ TN_CACHE = "gemm_tn.json"  # under ftitan's cache root: {machine: {"rows x m x n
 
 
 def _tn_machine() -> str:
-    """What the picks depend on: the CPU, the thread count, torch."""
-    cpu = platform.machine()
+    """What the picks depend on: the CPU (its name, family and model: virtual machines may show only "AMD
+    EPYC" as the name), the thread count, torch."""
+    cpu = {"model name": platform.machine()}
     with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+        for line in Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model"):
+                cpu[key.strip()] = value.strip()
+    name = cpu["model name"]
+    if "cpu family" in cpu and "model" in cpu:
+        name += f" (family {cpu['cpu family']}, model {cpu['model']})"
+    return f"{name} | {torch.get_num_threads()} threads | torch {torch.__version__}"
 
 
 def _tn_saved() -> tuple[Path, dict[str, dict[str, str]]]:
