@@ -107,8 +107,9 @@ def pin_tn(library: str | None) -> None:
 
 
 def tn_choices() -> dict[str, str]:
-    """The library each probed :func:`gemm_tn` shape runs in, as ``{"rows x m x n": library}`` (``g`` is
-    rows x m, ``x`` rows x n); the pinned library, if any, as ``{"pinned": library}``."""
+    """The library each :func:`gemm_tn` shape this process ran takes (probed, or read from the cache file), as
+    ``{"rows x m x n": library}`` (``g`` is rows x m, ``x`` rows x n); the pinned library, if any, as
+    ``{"pinned": library}``."""
     picks = {"x".join(map(str, k)): v for k, v in sorted(_tn_choice.items())}
     return picks | ({"pinned": _tn_pinned} if _tn_pinned else {})
 
@@ -164,7 +165,9 @@ def _tn_saved() -> tuple[Path, dict[str, dict[str, str]]]:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         saved = {}
-    return path, saved if isinstance(saved, dict) else {}
+    if not isinstance(saved, dict):
+        return path, {}
+    return path, {machine: picks for machine, picks in saved.items() if isinstance(picks, dict)}
 
 
 def _tn_remember(shape: str, library: str) -> None:

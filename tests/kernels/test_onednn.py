@@ -184,8 +184,9 @@ def test_picks_are_remembered_per_machine_so_a_new_process_takes_them_without_pr
     assert not list(fresh_tn.glob("*.tmp"))  # written by rename
 
 
-def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fresh_tn):
-    (fresh_tn / onednn.TN_CACHE).write_text("{not json")
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"%s": "aten"}'])
+def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fresh_tn, text):
+    (fresh_tn / onednn.TN_CACHE).write_text(text.replace("%s", onednn._tn_machine()))
     probes = []
     monkeypatch.setattr(onednn, "_tn_probe", lambda g, x: probes.append(1) or "aten")
     onednn.gemm_tn(torch.randn(8, 16), torch.randn(8, 4))
