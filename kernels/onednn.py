@@ -18,7 +18,9 @@ not bit for bit.
   faster than ``aten::mm``; the pick is remembered per machine (CPU model,
   threads, torch) in :data:`TN_CACHE` under ftitan's cache root, so later
   processes there take the same library without probing and reruns stay
-  bit for bit. Measured (2 threads): on an
+  bit for bit; the first process to record a shape's pick decides for every
+  process on the machine (the ranks of a run that probe at once run the
+  same library). Measured (2 threads): on an
   AMD EPYC whose AVX512 runs at half width (oneDNN's 2048^3 peak 212
   GFLOP/s) ``aten::mm`` was as fast or faster for that layout; on one with
   full-width AVX512 (Zen 5, peak 440) oneDNN ran the model's weight
@@ -49,6 +51,7 @@ import os
 import platform
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -170,21 +173,51 @@ def _tn_saved() -> tuple[Path, dict[str, dict[str, str]]]:
     return path, {machine: picks for machine, picks in saved.items() if isinstance(picks, dict)}
 
 
-def _tn_remember(shape: str, library: str) -> None:
-    """Add a pick to the cache file (read, merge, write a temporary file, rename: a reader never sees half a
-    file); an unwritable cache only costs the next process a probe."""
-    path, saved = _tn_saved()
-    saved.setdefault(_tn_machine(), {})[shape] = library
-    with contextlib.suppress(OSError):
+@contextlib.contextmanager
+def _tn_locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path``'s lock file (``fcntl.flock``; released if the process dies) while
+    the cache file is read and written: one process at a time. Where no lock can be taken (an unwritable
+    cache, no ``fcntl``) the body runs unlocked."""
+    try:
+        import fcntl
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(saved, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        fd = os.open(path.with_name(f"{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _tn_settle(shape: str, library: str) -> str:
+    """A probe's pick for ``shape``, settled with the cache file under its lock: if another process on this
+    machine (another rank of the same run) recorded a pick for the shape meanwhile, that one is returned and
+    run here too, else ``library`` is recorded (read, merge, write a temporary file, rename: a reader never
+    sees half a file). So the ranks of a machine run one library per shape, in this run and in a rerun that
+    reads the file. An unwritable cache costs the next process a probe."""
+    path = cache_root() / TN_CACHE
+    with _tn_locked(path):
+        _, saved = _tn_saved()
+        picks = saved.setdefault(_tn_machine(), {})
+        if picks.get(shape) in TN_LIBRARIES:
+            return picks[shape]
+        picks[shape] = library
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(saved, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+    return library
 
 
 def _tn_library(g: torch.Tensor, x: torch.Tensor) -> str:
     """The pinned library, else this shape's pick: this process's, the cache file's for this machine (so
-    reruns on a machine take the same libraries, bit for bit), or a new probe's, remembered in both."""
+    reruns on a machine take the same libraries, bit for bit), or a new probe's, settled with the file
+    (:func:`_tn_settle`: the first process to record a pick decides for every process on the machine)."""
     if _tn_pinned is not None:
         return _tn_pinned
     key = (g.shape[0], g.shape[1], x.shape[1])
@@ -193,8 +226,7 @@ def _tn_library(g: torch.Tensor, x: torch.Tensor) -> str:
         shape = "x".join(map(str, key))
         library = _tn_saved()[1].get(_tn_machine(), {}).get(shape)
         if library not in TN_LIBRARIES:
-            library = _tn_probe(g, x)
-            _tn_remember(shape, library)
+            library = _tn_settle(shape, _tn_probe(g, x))
         _tn_choice[key] = library
     return library
 

@@ -9,6 +9,10 @@ runs, bit for bit, and the op is never called; a double backward runs plain ops.
 """
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import time
 import types
 
@@ -192,3 +196,58 @@ def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fr
     onednn.gemm_tn(torch.randn(8, 16), torch.randn(8, 4))
     assert probes == [1]
     assert json.loads((fresh_tn / onednn.TN_CACHE).read_text()) == {onednn._tn_machine(): {"8x16x4": "aten"}}
+
+
+def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(monkeypatch, fresh_tn):
+    """Another rank on the machine probed the same shape at the same time and recorded its pick first: this
+    process runs that library too (its own probe's pick is dropped) and leaves the file as it was."""
+    g, x = torch.randn(64, 256), torch.randn(64, 128)
+    shape = "64x256x128"
+
+    def probe(*_):  # meanwhile, the other process records "onednn"
+        (fresh_tn / onednn.TN_CACHE).write_text(json.dumps({onednn._tn_machine(): {shape: "onednn"}}))
+        return "aten"
+
+    monkeypatch.setattr(onednn, "_tn_probe", probe)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = onednn.gemm_tn(g, x)
+    ran = {e.key for e in prof.key_averages()}
+    assert "mkldnn::_linear_pointwise" in ran and "aten::mm" not in ran, ran
+    torch.testing.assert_close(got, (g.double().t() @ x.double()).float(), **TOL)
+    assert onednn.tn_choices() == {shape: "onednn"}
+    assert json.loads((fresh_tn / onednn.TN_CACHE).read_text()) == {onednn._tn_machine(): {shape: "onednn"}}
+
+
+_RANK = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    import torch
+    from ftitan.kernels import onednn
+    library, root = sys.argv[1], Path(sys.argv[2])
+
+    def probe(g, x):  # both processes probe at once, each finding its own library faster
+        (root / f"ready-{library}").touch()
+        deadline = time.monotonic() + 120
+        while len(list(root.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        return library
+
+    onednn._tn_probe = probe
+    onednn.gemm_tn(torch.randn(64, 256), torch.randn(64, 128))
+    print(onednn.tn_choices()["64x256x128"])
+""")
+
+
+def test_processes_probing_a_shape_at_once_all_run_the_first_recorded_pick(tmp_path):
+    """Two processes (the ranks of a run on one machine) probe the same shape at once and find opposite
+    libraries faster: both run the pick the first of them recorded, and the file holds it (a rerun reads it),
+    so the ranks agree and a rerun repeats the first run bit for bit."""
+    env = {**os.environ, "FTITAN_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, lib, str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for lib in onednn.TN_LIBRARIES]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    ran = [out.strip() for out, _ in outs]
+    saved = json.loads((tmp_path / onednn.TN_CACHE).read_text())
+    assert len(saved) == 1 and ran[0] == ran[1] == next(iter(saved.values()))["64x256x128"], (ran, saved)
