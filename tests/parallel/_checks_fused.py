@@ -15,7 +15,7 @@ import attrs
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import llama
-from _parity import batch_for, max_diff, parallel_grads, tiny_llama  # torchrun puts this folder on sys.path
+from _parity import batch_for, grads_vs_one_process, max_diff, parallel_grads, tiny_llama  # torchrun puts this folder on sys.path
 from _checks_pp import pipeline_vs_one_process
 
 
@@ -25,17 +25,12 @@ def _model():
 
 def grads_check(name: str, degrees: dict[str, int]) -> dict:
     model = _model()
-    params = model.init(ft.random.key(0))
-    batch = batch_for(4, 16, model.config.vocab_size)
-    loss_fn = ft.train.next_token_loss(model, chunk_size=24)
-    ref_g, (ref_l, _) = ft.train.value_and_grad(loss_fn)(params, batch)
-    total, full, _, _, sharded = parallel_grads(model, params, loss_fn, batch, degrees)
+    diffs, params, full, sharded = grads_vs_one_process(model, degrees)
     layout = parallel.Layout(parallel.mesh(**degrees))
     inited = parallel.unshard(parallel.init_params(model, ft.random.key(0), layout))
     wqkv = sharded["layers"]["0"]["attn"]["wqkv"]
-    return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": max_diff(full, ref_g),
-            "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g)),
-            "init_diff": max_diff(inited, params), "wqkv_placements": [str(p) for p in wqkv.placements],
+    return {"check": name, **diffs, "init_diff": max_diff(inited, params),
+            "wqkv_placements": [str(p) for p in wqkv.placements],
             "leaves": sorted(full["layers"]["0"]["attn"]) + sorted(full["layers"]["0"]["mlp"])}  # fmt: skip
 
 

@@ -64,18 +64,25 @@ def parallel_grads(model, params, loss_fn, batch, degrees: dict[str, int], rules
     return total, parallel.unshard(parallel.from_local(g, sharded)), aux, sent, sharded
 
 
-def grads_check(
-    name: str, family: str, degrees: dict[str, int], rules=None, impl: str = "sdpa", batch: int = 4
-) -> dict:
-    module, make_cfg = MODELS[family]
-    model = module.model(make_cfg(attn_impl=impl))
+def grads_vs_one_process(model, degrees: dict[str, int], rules=None, batch: int = 4):
+    """``model``'s loss and gradients on a layout against one process's, from ``model.init(key(0))``:
+    ``({"loss_diff", "grad_diff", "grad_scale"}, params, full gradients, sharded params)``."""
     params = model.init(ft.random.key(0))
     batch = batch_for(batch, 16, model.config.vocab_size)
     loss_fn = ft.train.next_token_loss(model, chunk_size=24)
     ref_g, (ref_l, _) = ft.train.value_and_grad(loss_fn)(params, batch)
-    total, full, _, _, _ = parallel_grads(model, params, loss_fn, batch, degrees, rules)
-    return {"check": name, "loss_diff": abs(float(total) - float(ref_l)), "grad_diff": max_diff(full, ref_g),
-            "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
+    total, full, _, _, sharded = parallel_grads(model, params, loss_fn, batch, degrees, rules)
+    diffs = {"loss_diff": abs(float(total) - float(ref_l)), "grad_diff": max_diff(full, ref_g),
+             "grad_scale": max(float(x.abs().max()) for x in ft.tree.leaves(ref_g))}  # fmt: skip
+    return diffs, params, full, sharded
+
+
+def grads_check(
+    name: str, family: str, degrees: dict[str, int], rules=None, impl: str = "sdpa", batch: int = 4
+) -> dict:
+    module, make_cfg = MODELS[family]
+    diffs, *_ = grads_vs_one_process(module.model(make_cfg(attn_impl=impl)), degrees, rules, batch)
+    return {"check": name, **diffs}
 
 
 def steps_check(name: str, degrees: dict[str, int], n_steps: int = 5, muon: bool = False) -> dict:
