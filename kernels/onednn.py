@@ -50,8 +50,8 @@ import json
 import os
 import platform
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch

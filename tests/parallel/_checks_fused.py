@@ -15,7 +15,8 @@ import attrs
 import ftitan as ft
 from ftitan import parallel
 from ftitan.models import llama
-from _parity import batch_for, grads_vs_one_process, max_diff, parallel_grads, tiny_llama  # torchrun puts this folder on sys.path
+# torchrun puts this folder on sys.path
+from _parity import batch_for, grads_vs_one_process, max_diff, parallel_grads, tiny_llama
 from _checks_pp import pipeline_vs_one_process
 
 
