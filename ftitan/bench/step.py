@@ -424,7 +424,7 @@ def run(opts: Options) -> dict[str, Any]:
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak
         "device_peak": device_peak,
         "loader": loader_speed,
-        "gemm_tn": onednn.tn_choices(),  # the library each weight-gradient shape ran in (ftitan.kernels.onednn)
+        "gemm_libraries": onednn.choices(),  # the library each GEMM kind and shape ran in (ftitan.kernels.onednn)
         "model_flops_per_token": flops_per_token,
         "results": results,
         "skipped": skipped,

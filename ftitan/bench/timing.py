@@ -175,7 +175,7 @@ class GemmProbe:
         b_t = self.b.t()  # a @ b as oneDNN's x @ w.T: w = b.T, a view
         self.libraries: dict[str, Callable[[], Any]] = {"aten": lambda: torch.mm(self.a, self.b, out=self.out)}
         if self.a.device.type == "cpu" and onednn.available():
-            self.libraries["onednn"] = lambda: onednn.gemm_nt(self.a, b_t)
+            self.libraries["onednn"] = lambda: onednn.gemm_in("onednn", "nt", self.a, b_t)  # oneDNN itself
         self.n, self.repeats = n, repeats
         self.best_s: dict[str, list[float]] = {name: [] for name in self.libraries}  # one entry per call
 

@@ -140,6 +140,22 @@ def test_time_steps_real_sleeps_rank_correctly():
     assert 1.8 < r < 4.0, out
 
 
+def test_gemm_probe_times_each_library_itself_whatever_the_picks(monkeypatch):
+    """The peak of "onednn" is oneDNN's even where the linear layers' GEMMs would run MKL (a pin, or a
+    probe's pick): the probe calls each library directly, not the per-shape choice."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ftitan.kernels import onednn
+
+    monkeypatch.setattr(onednn, "_pinned", "aten")
+    probe = timing.GemmProbe(64, torch.float32)
+    for library, event in (("onednn", "mkldnn::_linear_pointwise"), ("aten", "aten::mm")):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            probe.libraries[library]()
+        ran = {e.key for e in prof.key_averages()}
+        assert event in ran and not ({"mkldnn::_linear_pointwise", "aten::mm"} - {event}) & ran, (library, ran)
+
+
 def test_gemm_peak_and_machine_info_are_json():
     g = timing.gemm_peak_flops(128, repeats=3, warmup=1)
     assert g["flops_per_s"] > 0 and g["dtype"] == "float32" and g["rounds"] == 3

@@ -120,42 +120,99 @@ def test_usable_only_for_float32_cpu_gemms_worth_the_call(case, want):
 
 
 @pytest.fixture
-def fresh_tn(monkeypatch, tmp_path):
-    """gemm_tn's per-shape picks and pin, as a new process has them, with an empty cache root."""
-    monkeypatch.setattr(onednn, "_tn_choice", {})
-    monkeypatch.setattr(onednn, "_tn_pinned", None)
+def fresh_picks(monkeypatch, tmp_path):
+    """The per-shape library picks and pin, as a new process has them, with an empty cache root."""
+    monkeypatch.setattr(onednn, "_choice", {})
+    monkeypatch.setattr(onednn, "_pinned", None)
     monkeypatch.setenv("FTITAN_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
 @pytest.mark.parametrize("rows, m, n", [(96, 384, 512), (256, 768, 64)])  # oneDNN copies g.T; x.T and the result
-def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_tn, rows, m, n):
+def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_picks, rows, m, n):
     g = torch.Generator().manual_seed(4)
     gr, x = torch.randn(rows, m, generator=g) * rows**-0.5, torch.randn(rows, n, generator=g)  # sums ~ 1
     want = (gr.double().t() @ x.double()).float()
     event = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
-    for library in onednn.TN_LIBRARIES:
-        onednn.pin_tn(library)
+    for library in onednn.LIBRARIES:
+        onednn.pin(library)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             got = onednn.gemm_tn(gr, x)
         ran = {e.key for e in prof.key_averages()}
         assert event[library] in ran and not (set(event.values()) - {event[library]}) & ran, (library, ran)
         assert got.shape == (m, n) and got.is_contiguous()
         torch.testing.assert_close(got, want, **TOL)
-    assert onednn.tn_choices() == {"pinned": "onednn"}
+    assert onednn.choices() == {"pinned": "onednn"}
     torch.library.opcheck(onednn._tn_op, (gr, x))  # the fake's shape and layout are the op's
-    onednn.pin_tn(None)
+    onednn.pin(None)
     torch.testing.assert_close(onednn.gemm_tn(gr, x), want, **TOL)
-    picks = onednn.tn_choices()
-    assert list(picks) == [f"{rows}x{m}x{n}"] and picks[f"{rows}x{m}x{n}"] in onednn.TN_LIBRARIES  # probed, kept
-    with pytest.raises(ValueError, match=r"pin_tn\('mkl'\): expected one of \('aten', 'onednn'\)"):
-        onednn.pin_tn("mkl")
+    picks = onednn.choices()
+    assert list(picks) == [f"tn {rows}x{m}x{n}"] and picks[f"tn {rows}x{m}x{n}"] in onednn.LIBRARIES  # probed, kept
+    with pytest.raises(ValueError, match=r"pin\('mkl'\): expected one of \('aten', 'onednn'\)"):
+        onednn.pin("mkl")
+
+
+@pytest.mark.parametrize("transposed", [False, True])  # the forward x @ w.T ("nt"); the input gradient g @ w ("nn")
+def test_linear_gemms_match_a_float64_reference_in_each_library(fresh_picks, transposed):
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 48, 384, generator=g), torch.randn(256, 384, generator=g) * 384**-0.5
+    if transposed:  # g @ w with w stored (384, 256): passed as its transposed view, read as it lies
+        w = torch.randn(384, 256, generator=g).t() * 384**-0.5
+    want = (x.double() @ w.double().t()).float()
+    event = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
+    for library in onednn.LIBRARIES:
+        onednn.pin(library)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = onednn.gemm_nt(x, w)
+        ran = {e.key for e in prof.key_averages()}
+        assert event[library] in ran and not (set(event.values()) - {event[library]}) & ran, (library, ran)
+        assert got.shape == (2, 48, 256) and got.is_contiguous()
+        torch.testing.assert_close(got, want, **TOL)
+    torch.library.opcheck(onednn._linear_op, (x, w))
+    onednn.pin(None)
+    torch.testing.assert_close(onednn.gemm_nt(x, w), want, **TOL)
+    assert list(onednn.choices()) == [f"{'nn' if transposed else 'nt'} 96x384x256"]  # probed for its kind
+
+
+def test_a_linear_layer_picks_each_of_its_three_gemms_by_kind_and_shape(monkeypatch, fresh_picks):
+    """Forward ("nt"), input gradient ("nn") and weight gradient ("tn") are probed apart: here the probe finds
+    oneDNN faster for the gradients only, and each GEMM then ran in its own pick (profiler events)."""
+    picks = {"nt": "aten", "nn": "onednn", "tn": "onednn"}
+    monkeypatch.setattr(onednn, "_probe", lambda kind, a, b: picks[onednn._key(kind, a, b)[0]])
+    x, w, cot = _inputs()
+    x, w = x.requires_grad_(), w.requires_grad_()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = onednn.linear(x, w)
+        gx, gw = torch.autograd.grad((y * cot).sum(), (x, w))
+    assert onednn.choices() == {"nt 64x512x512": "aten", "nn 64x512x512": "onednn", "tn 64x512x512": "onednn"}
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::mm") == 1 and counts.get("mkldnn::_linear_pointwise") == 2, counts
+    for got, want in zip((y, gx, gw), _reference(x, w, cot), strict=True):
+        torch.testing.assert_close(got.detach(), want, **TOL)
+    saved = json.loads((fresh_picks / onednn.CACHE).read_text())
+    assert saved == {onednn._machine(): onednn.choices()}
+
+
+def test_gemm_in_runs_the_library_it_names_and_refuses_others(fresh_picks):
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(32, 96, generator=g), torch.randn(48, 96, generator=g)
+    onednn.pin("aten")  # a pin (or a pick) does not change gemm_in's library
+    for library, event in (("onednn", "mkldnn::_linear_pointwise"), ("aten", "aten::mm")):
+        for kind, want in (("nt", a.double() @ b.double().t()), ("tn", a.double().t() @ a.double())):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                got = onednn.gemm_in(library, kind, a, b if kind == "nt" else a)
+            assert event in {e.key for e in prof.key_averages()}, (library, kind)
+            torch.testing.assert_close(got, want.float(), **TOL)
+    with pytest.raises(ValueError, match=r"gemm_in\('mkl', 'nt'\): expected a library of"):
+        onednn.gemm_in("mkl", "nt", a, b)
+    with pytest.raises(ValueError, match=r"gemm_in\('aten', 'nn'\)"):
+        onednn.gemm_in("aten", "nn", a, b)
 
 
 @pytest.mark.parametrize("slower, want", [("aten", "onednn"), ("onednn", "aten"), ("neither", "aten")])
-def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fresh_tn, slower, want):
+def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fresh_picks, slower, want):
     """The per-shape probe times both libraries on the operands: here one is slowed by 5 ms a call (far more
-    than either GEMM), so the faster is known; within TN_MARGIN (a tie) aten::mm stays."""
+    than either GEMM), so the faster is known; within MARGIN (a tie) aten::mm stays."""
 
     def slowed(fn):
         def run(*args):
@@ -169,53 +226,53 @@ def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fre
     else:  # equal times: aten wins the tie
         monkeypatch.setattr(onednn, "time", types.SimpleNamespace(perf_counter=iter(range(1000)).__next__))
     g, x = torch.randn(8, 16), torch.randn(8, 4)  # g.T @ x: (16, 4)
-    assert onednn._tn_probe(g, x) == want
+    assert onednn._probe("tn", g, x) == want
 
 
-def test_picks_are_remembered_per_machine_so_a_new_process_takes_them_without_probing(monkeypatch, fresh_tn):
+def test_picks_are_remembered_per_machine_so_a_new_process_takes_them_without_probing(monkeypatch, fresh_picks):
     g, x = torch.randn(64, 256), torch.randn(64, 128)
     onednn.gemm_tn(g, x)
-    picked = onednn.tn_choices()["64x256x128"]
-    saved = json.loads((fresh_tn / onednn.TN_CACHE).read_text())
-    assert saved == {onednn._tn_machine(): {"64x256x128": picked}}
-    other = next(lib for lib in onednn.TN_LIBRARIES if lib != picked)  # the file decides, not a new probe
-    saved[onednn._tn_machine()]["64x256x128"] = other
-    (fresh_tn / onednn.TN_CACHE).write_text(json.dumps(saved))
-    monkeypatch.setattr(onednn, "_tn_choice", {})  # a new process
-    monkeypatch.setattr(onednn, "_tn_probe", lambda g, x: pytest.fail("probed a shape the cache file holds"))
+    picked = onednn.choices()["tn 64x256x128"]
+    saved = json.loads((fresh_picks / onednn.CACHE).read_text())
+    assert saved == {onednn._machine(): {"tn 64x256x128": picked}}
+    other = next(lib for lib in onednn.LIBRARIES if lib != picked)  # the file decides, not a new probe
+    saved[onednn._machine()]["tn 64x256x128"] = other
+    (fresh_picks / onednn.CACHE).write_text(json.dumps(saved))
+    monkeypatch.setattr(onednn, "_choice", {})  # a new process
+    monkeypatch.setattr(onednn, "_probe", lambda *_: pytest.fail("probed a shape the cache file holds"))
     torch.testing.assert_close(onednn.gemm_tn(g, x), (g.double().t() @ x.double()).float(), **TOL)
-    assert onednn.tn_choices() == {"64x256x128": other}
-    assert not list(fresh_tn.glob("*.tmp"))  # written by rename
+    assert onednn.choices() == {"tn 64x256x128": other}
+    assert not list(fresh_picks.glob("*.tmp"))  # written by rename
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"%s": "aten"}'])
-def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fresh_tn, text):
-    (fresh_tn / onednn.TN_CACHE).write_text(text.replace("%s", onednn._tn_machine()))
+def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fresh_picks, text):
+    (fresh_picks / onednn.CACHE).write_text(text.replace("%s", onednn._machine()))
     probes = []
-    monkeypatch.setattr(onednn, "_tn_probe", lambda g, x: probes.append(1) or "aten")
+    monkeypatch.setattr(onednn, "_probe", lambda *_: probes.append(1) or "aten")
     onednn.gemm_tn(torch.randn(8, 16), torch.randn(8, 4))
     assert probes == [1]
-    assert json.loads((fresh_tn / onednn.TN_CACHE).read_text()) == {onednn._tn_machine(): {"8x16x4": "aten"}}
+    assert json.loads((fresh_picks / onednn.CACHE).read_text()) == {onednn._machine(): {"tn 8x16x4": "aten"}}
 
 
-def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(monkeypatch, fresh_tn):
+def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(monkeypatch, fresh_picks):
     """Another rank on the machine probed the same shape at the same time and recorded its pick first: this
     process runs that library too (its own probe's pick is dropped) and leaves the file as it was."""
     g, x = torch.randn(64, 256), torch.randn(64, 128)
-    shape = "64x256x128"
+    shape = "tn 64x256x128"
 
     def probe(*_):  # meanwhile, the other process records "onednn"
-        (fresh_tn / onednn.TN_CACHE).write_text(json.dumps({onednn._tn_machine(): {shape: "onednn"}}))
+        (fresh_picks / onednn.CACHE).write_text(json.dumps({onednn._machine(): {shape: "onednn"}}))
         return "aten"
 
-    monkeypatch.setattr(onednn, "_tn_probe", probe)
+    monkeypatch.setattr(onednn, "_probe", probe)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         got = onednn.gemm_tn(g, x)
     ran = {e.key for e in prof.key_averages()}
     assert "mkldnn::_linear_pointwise" in ran and "aten::mm" not in ran, ran
     torch.testing.assert_close(got, (g.double().t() @ x.double()).float(), **TOL)
-    assert onednn.tn_choices() == {shape: "onednn"}
-    assert json.loads((fresh_tn / onednn.TN_CACHE).read_text()) == {onednn._tn_machine(): {shape: "onednn"}}
+    assert onednn.choices() == {shape: "onednn"}
+    assert json.loads((fresh_picks / onednn.CACHE).read_text()) == {onednn._machine(): {shape: "onednn"}}
 
 
 _RANK = textwrap.dedent("""
@@ -225,7 +282,7 @@ _RANK = textwrap.dedent("""
     from ftitan.kernels import onednn
     library, root = sys.argv[1], Path(sys.argv[2])
 
-    def probe(g, x):  # both processes probe at once, each finding its own library faster
+    def probe(*_):  # both processes probe at once, each finding its own library faster
         (root / f"ready-{library}").touch()
         deadline = time.monotonic() + 120
         while len(list(root.glob("ready-*"))) < 2 and time.monotonic() < deadline:
@@ -233,9 +290,9 @@ _RANK = textwrap.dedent("""
         time.sleep(0.2)
         return library
 
-    onednn._tn_probe = probe
+    onednn._probe = probe
     onednn.gemm_tn(torch.randn(64, 256), torch.randn(64, 128))
-    print(onednn.tn_choices()["64x256x128"])
+    print(onednn.choices()["tn 64x256x128"])
 """)
 
 
@@ -245,9 +302,9 @@ def test_processes_probing_a_shape_at_once_all_run_the_first_recorded_pick(tmp_p
     so the ranks agree and a rerun repeats the first run bit for bit."""
     env = {**os.environ, "FTITAN_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, lib, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for lib in onednn.TN_LIBRARIES]  # fmt: skip
+                              stderr=subprocess.PIPE, text=True) for lib in onednn.LIBRARIES]  # fmt: skip
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     ran = [out.strip() for out, _ in outs]
-    saved = json.loads((tmp_path / onednn.TN_CACHE).read_text())
-    assert len(saved) == 1 and ran[0] == ran[1] == next(iter(saved.values()))["64x256x128"], (ran, saved)
+    saved = json.loads((tmp_path / onednn.CACHE).read_text())
+    assert len(saved) == 1 and ran[0] == ran[1] == next(iter(saved.values()))["tn 64x256x128"], (ran, saved)
