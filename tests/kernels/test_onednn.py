@@ -128,20 +128,33 @@ def fresh_picks(monkeypatch, tmp_path):
     return tmp_path
 
 
+LIBRARY_EVENT = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
+
+
+def _ran_only(prof, library: str) -> None:
+    """The profiled code ran ``library``'s GEMM and not the other's."""
+    ran = {e.key for e in prof.key_averages()}
+    assert LIBRARY_EVENT[library] in ran and not (set(LIBRARY_EVENT.values()) - {LIBRARY_EVENT[library]}) & ran, (
+        library, ran)  # fmt: skip
+
+
+def _in_each_pinned_library(gemm, want: torch.Tensor) -> None:
+    """``gemm()`` with each library pinned: that library ran, and a dense result equal to ``want``."""
+    for library in onednn.LIBRARIES:
+        onednn.pin(library)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = gemm()
+        _ran_only(prof, library)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got, want, **TOL)
+
+
 @pytest.mark.parametrize("rows, m, n", [(96, 384, 512), (256, 768, 64)])  # oneDNN copies g.T; x.T and the result
 def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_picks, rows, m, n):
     g = torch.Generator().manual_seed(4)
     gr, x = torch.randn(rows, m, generator=g) * rows**-0.5, torch.randn(rows, n, generator=g)  # sums ~ 1
     want = (gr.double().t() @ x.double()).float()
-    event = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
-    for library in onednn.LIBRARIES:
-        onednn.pin(library)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = onednn.gemm_tn(gr, x)
-        ran = {e.key for e in prof.key_averages()}
-        assert event[library] in ran and not (set(event.values()) - {event[library]}) & ran, (library, ran)
-        assert got.shape == (m, n) and got.is_contiguous()
-        torch.testing.assert_close(got, want, **TOL)
+    _in_each_pinned_library(lambda: onednn.gemm_tn(gr, x), want)
     assert onednn.choices() == {"pinned": "onednn"}
     torch.library.opcheck(onednn._tn_op, (gr, x))  # the fake's shape and layout are the op's
     onednn.pin(None)
@@ -159,15 +172,7 @@ def test_linear_gemms_match_a_float64_reference_in_each_library(fresh_picks, tra
     if transposed:  # g @ w with w stored (384, 256): passed as its transposed view, read as it lies
         w = torch.randn(384, 256, generator=g).t() * 384**-0.5
     want = (x.double() @ w.double().t()).float()
-    event = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
-    for library in onednn.LIBRARIES:
-        onednn.pin(library)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = onednn.gemm_nt(x, w)
-        ran = {e.key for e in prof.key_averages()}
-        assert event[library] in ran and not (set(event.values()) - {event[library]}) & ran, (library, ran)
-        assert got.shape == (2, 48, 256) and got.is_contiguous()
-        torch.testing.assert_close(got, want, **TOL)
+    _in_each_pinned_library(lambda: onednn.gemm_nt(x, w), want)
     torch.library.opcheck(onednn._linear_op, (x, w))
     onednn.pin(None)
     torch.testing.assert_close(onednn.gemm_nt(x, w), want, **TOL)
@@ -197,11 +202,11 @@ def test_gemm_in_runs_the_library_it_names_and_refuses_others(fresh_picks):
     g = torch.Generator().manual_seed(6)
     a, b = torch.randn(32, 96, generator=g), torch.randn(48, 96, generator=g)
     onednn.pin("aten")  # a pin (or a pick) does not change gemm_in's library
-    for library, event in (("onednn", "mkldnn::_linear_pointwise"), ("aten", "aten::mm")):
+    for library in onednn.LIBRARIES:
         for kind, want in (("nt", a.double() @ b.double().t()), ("tn", a.double().t() @ a.double())):
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 got = onednn.gemm_in(library, kind, a, b if kind == "nt" else a)
-            assert event in {e.key for e in prof.key_averages()}, (library, kind)
+            _ran_only(prof, library)
             torch.testing.assert_close(got, want.float(), **TOL)
     with pytest.raises(ValueError, match=r"gemm_in\('mkl', 'nt'\): expected a library of"):
         onednn.gemm_in("mkl", "nt", a, b)
@@ -268,8 +273,7 @@ def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(m
     monkeypatch.setattr(onednn, "_probe", probe)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         got = onednn.gemm_tn(g, x)
-    ran = {e.key for e in prof.key_averages()}
-    assert "mkldnn::_linear_pointwise" in ran and "aten::mm" not in ran, ran
+    _ran_only(prof, "onednn")
     torch.testing.assert_close(got, (g.double().t() @ x.double()).float(), **TOL)
     assert onednn.choices() == {shape: "onednn"}
     assert json.loads((fresh_picks / onednn.CACHE).read_text()) == {onednn._machine(): {shape: "onednn"}}
