@@ -309,7 +309,8 @@ def _rl_train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool
     from tqdm import tqdm
 
     rl = cfg.rl
-    rt = runtime.setup(cfg.parallel, device=cfg.device, malloc_retain=cfg.malloc_retain)
+    rt = runtime.setup(cfg.parallel, device=cfg.device, malloc_retain=cfg.malloc_retain,
+                       gemm_library=cfg.gemm_library)
     if rt.layout is not None:
         raise ValueError("ftitan rl runs on one process for now; drop the --parallel.* degrees")
     run = RunDir.of(cfg)

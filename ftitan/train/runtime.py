@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ftitan import parallel, random
 from ftitan import tree as T
 from ftitan.config.schema import ParallelConfig
+from ftitan.kernels import onednn
 from ftitan.models.base import Model
 from ftitan.parallel.activations import split_sequence
 from ftitan.train import memory, regional, rendezvous
@@ -306,10 +307,13 @@ def _ce_only(loss_fn: Any) -> Any:
     return fn
 
 
-def setup(cfg: ParallelConfig, *, device: str = "auto", malloc_retain: bool = False) -> Runtime:
+def setup(cfg: ParallelConfig, *, device: str = "auto", malloc_retain: bool = False,
+          gemm_library: str = "auto") -> Runtime:  # fmt: skip
     """The runtime for this process: its device, and the torchrun world (``WORLD_SIZE`` > 1) it joins.
     ``malloc_retain`` (``--malloc-retain``): on a CPU device the process keeps the host memory a step frees
-    for the next step (:func:`ftitan.train.memory.retain_freed_memory`).
+    for the next step (:func:`ftitan.train.memory.retain_freed_memory`). ``gemm_library``
+    (``--gemm-library``): "auto", the per-shape pick of ``ftitan.kernels.onednn``, or "aten" / "onednn" for
+    every GEMM of the process (``onednn.pin``).
 
     Fails before any work when the degrees' product differs from the world size, or the device or
     backend is not available here. Joining the world and each collective wait at most
@@ -326,6 +330,7 @@ def setup(cfg: ParallelConfig, *, device: str = "auto", malloc_retain: bool = Fa
         torch.cuda.set_device(dev)  # NCCL and the mesh use the current device
     if dev.type == "cpu" and malloc_retain:
         memory.retain_freed_memory()
+    onednn.pin(None if gemm_library == "auto" else gemm_library)
     if world == 1:
         return Runtime(None, cfg, device=dev)
     owns = not dist.is_initialized()

@@ -149,7 +149,8 @@ def _train(cfg: TrainConfig, *, resume: bool, overwrite: bool, progress: bool) -
     from tqdm import tqdm
 
     # device, torchrun world, layout (degrees checked first); on the CPU the host memory a step frees is kept
-    rt = runtime.setup(cfg.parallel, device=cfg.device, malloc_retain=cfg.malloc_retain)
+    rt = runtime.setup(cfg.parallel, device=cfg.device, malloc_retain=cfg.malloc_retain,
+                       gemm_library=cfg.gemm_library)
     memory.check_fits(cfg, rt.device)  # params + grads + optimizer state, from meta shapes: before any work
     run, cfg_dict = RunDir.of(cfg), config_to_dict(cfg)
     prepared = _data(cfg, rt, run, resume=resume, overwrite=overwrite)

@@ -55,6 +55,7 @@ CASES = [
     (dict(log_every=-1), "--log-every"),
     (dict(eval_batches=0), "--eval-batches"),
     (dict(keep=0), "--keep"),
+    (dict(gemm_library="mkl"), "--gemm-library"),
     (dict(data__corpus="/no/such/file.txt"), "--data.corpus"),
     (dict(data__corpus="README.md"), "--data.corpus"),
     (dict(data__vocab_size=256, model__vocab_size=256), "--data.vocab-size"),

@@ -126,3 +126,28 @@ def test_compiled_reruns_are_bit_identical(tmp_path):
         out = train(parse_train_args([*flags, "--run-dir", str(tmp_path / name)]), progress=False)
         losses.append([r["loss"] for r in out["records"] if "loss" in r])
     assert len(losses[0]) == 4 and losses[0] == losses[1] == losses[2]
+
+
+@pytest.mark.parametrize("library", ["aten", "onednn", "auto"])
+def test_gemm_library_pins_every_linear_gemm_of_the_run(tiny_run_cfg, monkeypatch, library):
+    """``--gemm-library aten|onednn`` runs every GEMM of ``ftitan.kernels.onednn`` in that library (the linear
+    layers' with ``--kernels triton``, oneDNN's size floors lifted for the tiny model); "auto" the per-shape
+    pick (no pin: the probe ran and its picks are listed)."""
+    import attrs
+
+    from ftitan.kernels import onednn
+    from ftitan.train.trainer import train
+
+    monkeypatch.setattr(onednn, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(onednn, "MIN_FLOP", 0)
+    monkeypatch.setattr(onednn, "_pinned", "onednn" if library == "aten" else "aten")  # setup replaces it
+    monkeypatch.setattr(onednn, "_choice", {})
+    ran = []
+    real = onednn._run
+    monkeypatch.setattr(onednn, "_run", lambda kind, lib, a, b: ran.append(lib) or real(kind, lib, a, b))
+    train(attrs.evolve(tiny_run_cfg, steps=2, eval_every=0, kernels="triton", gemm_library=library), progress=False)
+    assert ran, "no GEMM ran through ftitan.kernels.onednn"
+    if library == "auto":
+        assert onednn._pinned is None and {k.split()[0] for k in onednn.choices()} == {"nt", "nn", "tn"}
+    else:
+        assert set(ran) == {library} and onednn.choices() == {"pinned": library}
