@@ -116,6 +116,9 @@ class Options:
     """The ftitan peers' params hold q/k/v and gate/up stacked (``--model.fuse-projections``,
     ``ftitan.models.fused``): one wider GEMM each, forward and backward. The HF and TorchTitan peers keep
     their separate projections."""
+    gemm_library: str = "auto"
+    """On the CPU with ``--kernels triton``: the ftitan peers' linear GEMMs in the faster of oneDNN and MKL per
+    shape ("auto", as ``ftitan train --gemm-library``), or all in "onednn" / "aten" (to compare the two)."""
     malloc_retain: bool = True
     """On the CPU: glibc keeps the memory a step frees for the next one (``ft.train.retain_freed_memory``, as
     ``ftitan train`` does), for every peer alike (one process); False: glibc's defaults."""
@@ -354,6 +357,11 @@ def run(opts: Options) -> dict[str, Any]:
 
     if opts.attn_impl not in IMPLS:
         raise ValueError(f"--attn-impl={opts.attn_impl!r}: expected one of {IMPLS}")
+    from ftitan.config.validate import GEMM_LIBRARIES
+
+    if opts.gemm_library not in GEMM_LIBRARIES:
+        raise ValueError(f"--gemm-library={opts.gemm_library!r}: expected one of {GEMM_LIBRARIES}")
+    onednn.pin(None if opts.gemm_library == "auto" else opts.gemm_library)
     device, dtype, cfg = resolve_device(opts.device), DTYPES[opts.mixed_precision], _config(opts)
     malloc = {}
     if device.type == "cpu" and opts.malloc_retain:
@@ -418,7 +426,8 @@ def run(opts: Options) -> dict[str, Any]:
                          "compute_dtype": str(dtype).removeprefix("torch."), "device": str(device),
                          "optimizer": "adamw", "quick": opts.quick, "kernels": opts.kernels,
                          "attn_impl": opts.attn_impl, "float8": opts.float8,
-                         "fuse_projections": opts.fuse_projections, "malloc_retain": malloc},  # fmt: skip
+                         "fuse_projections": opts.fuse_projections, "gemm_library": opts.gemm_library,
+                         "malloc_retain": malloc},  # fmt: skip
         "machine": timing.machine_info(),
         "gemm_peak": peak,
         "gemm_peak_bf16": peaks.get(torch.bfloat16) if dtype != torch.bfloat16 else None,  # the -bf16 rows' peak

@@ -101,6 +101,18 @@ def test_unknown_shape_is_refused():
         step.run(step.Options(quick=True, model="llama9", peers=("ftitan-eager",)))
 
 
+def test_gemm_library_pins_the_ftitan_peers_gemms_and_an_unknown_one_is_refused(capsys, monkeypatch):
+    from ftitan.kernels import onednn
+
+    monkeypatch.setattr(onednn, "_pinned", None)
+    assert step.main(["--quick", "--device", "cpu", "--peers", "ftitan-eager", "--warmup", "1", "--rounds", "1",
+                      "--gemm-library", "aten"]) == 0  # fmt: skip
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["config"]["gemm_library"] == "aten" and printed["gemm_libraries"] == {"pinned": "aten"}
+    with pytest.raises(ValueError, match="--gemm-library='mkl'"):
+        step.run(step.Options(quick=True, gemm_library="mkl", peers=("ftitan-eager",)))
+
+
 def test_unknown_attention_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--attn-impl='flash'"):
         step.run(step.Options(quick=True, attn_impl="flash", peers=("ftitan-eager",)))
