@@ -211,7 +211,7 @@ class TrainConfig:
     keep: int = 3  # checkpoints kept (the newest K)
     compile: bool | Literal["regional"] = True  # torch.compile the train step (fullgraph); "regional": each block once (docs/compile-and-memory.md)
     remat: str = ""  # activation rematerialization of every block: "none", "full", "save-matmuls", "regions:attn", "budget:F" ("": --model.remat's)
-    kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA; references and oneDNN GEMMs on the CPU; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
+    kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA; references and oneDNN or MKL GEMMs on the CPU: --gemm-library; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (docs/gpus-and-precision.md; "": --model.float8's)
     gemm_library: str = "auto"  # CPU runs with --kernels triton: the linear layers' fp32 GEMMs in the faster of oneDNN and MKL per shape ("auto", probed once per machine), or all in "onednn" / "aten" (MKL) (ftitan.kernels.onednn; docs/kernels.md)
     malloc_retain: bool = True  # CPU runs: glibc keeps the memory a step frees for the next step instead of returning it to the OS (ft.train.retain_freed_memory: the CPU benchmark step alone in a process ran ~7% faster); False: glibc's defaults
