@@ -194,7 +194,8 @@ def _check_compile_and_remat(cfg: TrainConfig) -> None:
         check_policy(cfg.remat, field="--remat")
     if cfg.kernels and cfg.kernels not in KERNELS:
         raise _fail("--kernels", cfg.kernels, f"expected one of {KERNELS} ('triton': ftitan.kernels on CUDA, their "
-                    "references and oneDNN or MKL GEMMs on the CPU), or '' for the model's --model.kernels")  # fmt: skip
+                    "references and oneDNN or MKL GEMMs on the CPU), or '' for the model's "
+                    "--model.kernels")  # fmt: skip
     if cfg.gemm_library not in GEMM_LIBRARIES:
         raise _fail("--gemm-library", cfg.gemm_library, f"expected one of {GEMM_LIBRARIES} ('auto': the faster of "
                     "oneDNN and MKL for each GEMM shape, probed once per machine)")  # fmt: skip
