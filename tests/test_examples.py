@@ -40,9 +40,11 @@ def _run(args: list[str], *, timeout: int, ranks: int = 0) -> str:
 def test_train_loop_example_trains(optimizer, kernels, float8, attn, fuse):
     out = _run([str(ROOT / "examples" / "train_loop.py"), "--steps", "40", "--optimizer", optimizer,
                 "--kernels", kernels, "--float8", float8, "--attn-impl", attn, "--no-compile",
-                *(["--fuse-projections"] if fuse else [])], timeout=300)  # fmt: skip
+                *(["--fuse-projections"] if fuse else []),
+                *(["--gemm-library", "aten"] if kernels == "triton" else [])], timeout=300)  # fmt: skip
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 5, out
+    assert ("gemm libraries {'pinned': 'aten'}" in out) is (kernels == "triton"), out  # the flag reached the GEMMs
     assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.5, out
 
 
