@@ -119,8 +119,13 @@ def choices() -> dict[str, str]:
     ``{"kind rows x m x n": library}``: kind "nt" ``x @ w.T`` (``x`` rows x m, ``w`` n x m as stored: a
     forward), "nn" ``x @ w`` (``w`` m x n as stored: an input gradient), "tn" ``g.T @ x`` (``g`` rows x m,
     ``x`` rows x n: a weight gradient); the pinned library, if any, as ``{"pinned": library}``."""
-    picks = {f"{k[0]} {k[1]}x{k[2]}x{k[3]}": v for k, v in sorted(_choice.items())}
+    picks = {_label(k): v for k, v in sorted(_choice.items())}
     return picks | ({"pinned": _pinned} if _pinned else {})
+
+
+def _label(key: tuple[str, int, int, int]) -> str:
+    """``"kind rows x m x n"``: a pick's name in :func:`choices` and in the cache file."""
+    return f"{key[0]} {key[1]}x{key[2]}x{key[3]}"
 
 
 def _key(kind: str, a: torch.Tensor, b: torch.Tensor) -> tuple[str, int, int, int]:
@@ -240,7 +245,7 @@ def _library(kind: str, a: torch.Tensor, b: torch.Tensor) -> str:
     key = _key(kind, a, b)
     library = _choice.get(key)
     if library is None:
-        shape = f"{key[0]} {key[1]}x{key[2]}x{key[3]}"
+        shape = _label(key)
         library = _saved().get(_machine(), {}).get(shape)
         if library not in LIBRARIES:
             library = _settle(shape, _probe(kind, a, b))
