@@ -99,9 +99,10 @@ def test_on_cpu_the_triton_model_is_the_torch_model_bit_for_bit(name, monkeypatc
         assert torch.equal(a, b)
 
 
-def test_on_cpu_the_triton_model_runs_its_gemms_in_onednn(monkeypatch):
-    """With oneDNN's size floors lifted, the tiny llama's seven projections per layer run there (forward and
-    input gradient; the weight gradient by ``gemm_tn``), and the fused loss's logits and ``grad_h`` GEMMs;
+def test_on_cpu_the_triton_model_runs_its_gemms_through_the_onednn_ops(monkeypatch):
+    """With oneDNN's size floors lifted, the tiny llama's seven projections per layer run through
+    ``ftitan.kernels.onednn``'s ops (each in the library picked for its shape: forward and input gradient by
+    ``onednn_linear``, the weight gradient by ``gemm_tn``), and the fused loss's logits and ``grad_h`` GEMMs;
     eager and compiled (aot_eager, the autograd path traced), the logits and gradients are the torch model's
     to float32 rounding."""
     monkeypatch.setattr(k_onednn, "MIN_WEIGHT", 0)

@@ -132,7 +132,7 @@ def test_compiled_reruns_are_bit_identical(tmp_path):
 def test_gemm_library_pins_every_linear_gemm_of_the_run(tiny_run_cfg, monkeypatch, library):
     """``--gemm-library aten|onednn`` runs every GEMM of ``ftitan.kernels.onednn`` in that library (the linear
     layers' with ``--kernels triton``, oneDNN's size floors lifted for the tiny model); "auto" the per-shape
-    pick (no pin: the probe ran and its picks are listed)."""
+    pick (no pin: each kind's picks, probed or read from the cache file, are listed)."""
     import attrs
 
     from ftitan.kernels import onednn
@@ -149,5 +149,6 @@ def test_gemm_library_pins_every_linear_gemm_of_the_run(tiny_run_cfg, monkeypatc
     assert ran, "no GEMM ran through ftitan.kernels.onednn"
     if library == "auto":
         assert onednn._pinned is None and {k.split()[0] for k in onednn.choices()} == {"nt", "nn", "tn"}
+        assert set(ran) <= set(onednn.LIBRARIES)
     else:
         assert set(ran) == {library} and onednn.choices() == {"pinned": library}
