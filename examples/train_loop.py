@@ -1,13 +1,13 @@
 """The training loop as function composition: a byte-level Llama on real text.
 
     python examples/train_loop.py [--steps 200] [--optimizer adamw|muon] [--no-compile] [--kernels triton]
-                                  [--gemm-library auto|aten|onednn] [--float8 tensorwise|rowwise]
+                                  [--gemm-library auto|aten|onednn|onednn-matmul] [--float8 tensorwise|rowwise]
                                   [--attn-impl gemm] [--fuse-projections]
 
 Trains ``llama.Config.debug()`` (vocab 256: one token per byte) on the source
 of ``torch/__init__.py``; loss falls from ln(256) ~ 5.5 in a few dozen steps.
 ``--kernels triton``: the model's kernels by ``ftitan.kernels`` (Triton on CUDA; on the CPU the linear
-layers' GEMMs in oneDNN or MKL, the faster per shape, or the one ``--gemm-library`` names:
+layers' and the gemm attention's GEMMs in MKL or oneDNN, the fastest per shape, or the one ``--gemm-library`` names:
 ``ftitan.kernels.onednn.pin``; the picks are printed at the end), differentiated on the autograd path they
 need (``gradient_path`` of the model config's ``step_options``, as ``ftitan train`` picks it).
 ``--float8 rowwise``: the blocks' projections in float8 by that torchao recipe (float8 GEMMs on an H100-class
@@ -35,7 +35,7 @@ parser.add_argument("--steps", type=int, default=200)
 parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
 parser.add_argument("--no-compile", action="store_true")
 parser.add_argument("--kernels", choices=["torch", "triton"], default="torch")
-parser.add_argument("--gemm-library", choices=["auto", "aten", "onednn"], default="auto")
+parser.add_argument("--gemm-library", choices=["auto", *onednn.LIBRARIES], default="auto")
 parser.add_argument("--float8", choices=["", "tensorwise", "rowwise"], default="")
 parser.add_argument("--attn-impl", choices=["sdpa", "gemm", "math", "flex", "auto"], default="sdpa")
 parser.add_argument("--fuse-projections", action="store_true")

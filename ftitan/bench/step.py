@@ -117,8 +117,9 @@ class Options:
     ``ftitan.models.fused``): one wider GEMM each, forward and backward. The HF and TorchTitan peers keep
     their separate projections."""
     gemm_library: str = "auto"
-    """On the CPU with ``--kernels triton``: the ftitan peers' linear GEMMs in the faster of oneDNN and MKL per
-    shape ("auto", as ``ftitan train --gemm-library``), or all in "onednn" / "aten" (to compare the two)."""
+    """On the CPU with ``--kernels triton``: the ftitan peers' linear and attention GEMMs in the fastest library
+    per shape ("auto", as ``ftitan train --gemm-library``), or all in "aten", "onednn" or "onednn-matmul" (to compare
+    them; ``ftitan.kernels.onednn.LIBRARIES``)."""
     malloc_retain: bool = True
     """On the CPU: glibc keeps the memory a step frees for the next one (``ft.train.retain_freed_memory``, as
     ``ftitan train`` does), for every peer alike (one process); False: glibc's defaults."""

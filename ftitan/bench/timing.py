@@ -153,10 +153,11 @@ class GemmProbe:
     matmuls and keeps the fastest, so the peak is sampled in every round, beside the steps it divides,
     instead of once after them (a shared machine's load drifts by tens of percent within a run).
 
-    On the CPU each call times two GEMM libraries torch reaches: ``aten::mm`` (MKL's ``sgemm`` for float32)
-    and oneDNN's matmul (``ftitan.kernels.onednn``, which a model with ``kernels`` other than "torch" runs
-    its linear layers on); the peak is the faster one's, so a step that uses either is divided by the best
-    GEMM the machine gave in the same round.
+    On the CPU each call times the GEMM libraries torch reaches (``ftitan.kernels.onednn``, whose picks a model
+    with ``kernels`` other than "torch" runs its linear layers and CPU attention on): ``aten::mm`` (MKL's
+    ``sgemm`` for float32), oneDNN's inner product ("onednn") and, for float32 where it computes float32,
+    oneDNN's matmul ("onednn-matmul"); the peak is the fastest one's, so a step that uses any is divided by
+    the best GEMM the machine gave in the same round.
 
     :meth:`result` (also :func:`gemm_peak_flops`'s): ``flops_per_s`` is ``2 n^3`` over the median of
     the per-call best times (``rounds``: how many calls were timed), of the faster library;
@@ -176,6 +177,8 @@ class GemmProbe:
         self.libraries: dict[str, Callable[[], Any]] = {"aten": lambda: torch.mm(self.a, self.b, out=self.out)}
         if self.a.device.type == "cpu" and onednn.available():
             self.libraries["onednn"] = lambda: onednn.gemm_in("onednn", "nt", self.a, b_t)  # oneDNN itself
+            if dtype == torch.float32 and onednn.float32_exact("nt", self.a, b_t):  # its matmul, where float32
+                self.libraries["onednn-matmul"] = lambda: onednn.gemm_in("onednn-matmul", "nt", self.a, b_t)
         self.n, self.repeats = n, repeats
         self.best_s: dict[str, list[float]] = {name: [] for name in self.libraries}  # one entry per call
 

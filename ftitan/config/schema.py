@@ -213,7 +213,7 @@ class TrainConfig:
     remat: str = ""  # activation rematerialization of every block: "none", "full", "save-matmuls", "regions:attn", "budget:F" ("": --model.remat's)
     kernels: str = ""  # "triton": the model's kernels by ftitan.kernels (Triton on CUDA; references and oneDNN or MKL GEMMs on the CPU: --gemm-library; docs/kernels.md), "torch": plain ops ("": --model.kernels's)
     float8: str = ""  # "tensorwise" / "rowwise": the blocks' projections in float8 by that torchao recipe (docs/gpus-and-precision.md; "": --model.float8's)
-    gemm_library: str = "auto"  # CPU runs with --kernels triton: the linear layers' fp32 GEMMs in the faster of oneDNN and MKL per shape ("auto", probed once per machine), or all in "onednn" / "aten" (MKL) (ftitan.kernels.onednn; docs/kernels.md)
+    gemm_library: str = "auto"  # CPU runs with --kernels triton: the linear layers' and attention's fp32 GEMMs in the fastest of MKL ("aten"), oneDNN's inner product ("onednn") and oneDNN's matmul ("onednn-matmul", where float32) per shape ("auto", probed once per machine), or all in one (ftitan.kernels.onednn; docs/kernels.md)
     malloc_retain: bool = True  # CPU runs: glibc keeps the memory a step frees for the next step instead of returning it to the OS (ft.train.retain_freed_memory: the CPU benchmark step alone in a process ran ~7% faster); False: glibc's defaults
     deterministic: bool = True  # torch.use_deterministic_algorithms during the run: bit-identical reruns, compiled too (inductor's CPU scatter-adds otherwise vary in the last bits)
     seed: int = 0  # seeds init and data order

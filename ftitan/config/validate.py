@@ -181,7 +181,7 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-GEMM_LIBRARIES: tuple[str, ...] = ("auto", "aten", "onednn")  # --gemm-library (ftitan.kernels.onednn.pin)
+GEMM_LIBRARIES: tuple[str, ...] = ("auto", "aten", "onednn", "onednn-matmul")  # --gemm-library (kernels.onednn.pin)
 
 
 def _check_compile_and_remat(cfg: TrainConfig) -> None:
@@ -197,8 +197,9 @@ def _check_compile_and_remat(cfg: TrainConfig) -> None:
                     "references and oneDNN or MKL GEMMs on the CPU), or '' for the model's "
                     "--model.kernels")  # fmt: skip
     if cfg.gemm_library not in GEMM_LIBRARIES:
-        raise _fail("--gemm-library", cfg.gemm_library, f"expected one of {GEMM_LIBRARIES} ('auto': the faster of "
-                    "oneDNN and MKL for each GEMM shape, probed once per machine)")  # fmt: skip
+        raise _fail("--gemm-library", cfg.gemm_library, f"expected one of {GEMM_LIBRARIES} ('auto': the fastest of "
+                    "MKL, oneDNN's inner product and oneDNN's matmul for each GEMM shape, probed once per "
+                    "machine)")  # fmt: skip
     check_policy(getattr(cfg.model, "remat", "none"), field="--model.remat")
     if cfg.float8:
         try:

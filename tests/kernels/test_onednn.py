@@ -128,51 +128,69 @@ def fresh_picks(monkeypatch, tmp_path):
     return tmp_path
 
 
-LIBRARY_EVENT = {"aten": "aten::mm", "onednn": "mkldnn::_linear_pointwise"}
+def _ran(fn, capfd):
+    """``fn()`` and the libraries its GEMMs ran, as oneDNN's verbose log (each primitive it executes) and the
+    profiler's aten events show them: "onednn" (oneDNN's inner product, ``_linear_pointwise``), "onednn-matmul"
+    (oneDNN's matmul primitive, reached through ``aten::mm``/``aten::bmm``), "aten" (an ``aten::mm``/``bmm`` that
+    ran no oneDNN primitive: MKL's)."""
+    capfd.readouterr()
+    verbose = torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON)
+    with verbose, profile(activities=[ProfilerActivity.CPU]) as p:
+        out = fn()
+    log = capfd.readouterr().out.splitlines()
+    primitives = [line.split(",")[5] for line in log if line.startswith("onednn_verbose") and ",exec," in line]
+    aten = sum(e.count for e in p.key_averages() if e.key in ("aten::mm", "aten::bmm"))
+    matmuls = primitives.count("matmul")
+    ran = {"onednn"} if "inner_product" in primitives else set()
+    return out, ran | ({"onednn-matmul"} if matmuls else set()) | ({"aten"} if aten > matmuls else set())
 
 
-def _ran_only(prof, library: str) -> None:
-    """The profiled code ran ``library``'s GEMM and not the other's."""
-    ran = {e.key for e in prof.key_averages()}
-    assert LIBRARY_EVENT[library] in ran and not (set(LIBRARY_EVENT.values()) - {LIBRARY_EVENT[library]}) & ran, (
-        library, ran)  # fmt: skip
+def _float32_here() -> bool:
+    """Whether this CPU can run "onednn-matmul" at all (no AMX: elsewhere oneDNN rounds to bfloat16 there)."""
+    return "amx_bf16" not in onednn._cpu().get("flags", "").split()
 
 
-def _in_each_pinned_library(gemm, want: torch.Tensor) -> None:
-    """``gemm()`` with each library pinned: that library ran, and a dense result equal to ``want``."""
+def _in_each_pinned_library(gemm, want: torch.Tensor, capfd, *, batched: bool = False) -> None:
+    """``gemm()`` with each library pinned: that library alone ran, and a dense result equal to ``want``
+    (``batched``: oneDNN's inner product has no batch, so its pin runs aten's). On a CPU with AMX the
+    "onednn-matmul" pin is refused."""
     for library in onednn.LIBRARIES:
+        if library == "onednn-matmul" and not _float32_here():
+            with pytest.raises(ValueError, match="this CPU has AMX"):
+                onednn.pin(library)
+            continue
         onednn.pin(library)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = gemm()
-        _ran_only(prof, library)
+        gemm()  # the first call of a shape under the onednn-matmul pin checks it computes float32
+        got, ran = _ran(gemm, capfd)
+        assert ran == {"aten" if batched and library == "onednn" else library}, (library, ran)
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, **TOL)
 
 
 @pytest.mark.parametrize("rows, m, n", [(96, 384, 512), (256, 768, 64)])  # oneDNN copies g.T; x.T and the result
-def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_picks, rows, m, n):
+def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_picks, capfd, rows, m, n):
     g = torch.Generator().manual_seed(4)
     gr, x = torch.randn(rows, m, generator=g) * rows**-0.5, torch.randn(rows, n, generator=g)  # sums ~ 1
     want = (gr.double().t() @ x.double()).float()
-    _in_each_pinned_library(lambda: onednn.gemm_tn(gr, x), want)
-    assert onednn.choices() == {"pinned": "onednn"}
+    _in_each_pinned_library(lambda: onednn.gemm_tn(gr, x), want, capfd)
+    assert onednn.choices() == {"pinned": onednn.LIBRARIES[-1 if _float32_here() else -2]}
     torch.library.opcheck(onednn._tn_op, (gr, x))  # the fake's shape and layout are the op's
     onednn.pin(None)
     torch.testing.assert_close(onednn.gemm_tn(gr, x), want, **TOL)
     picks = onednn.choices()
     assert list(picks) == [f"tn {rows}x{m}x{n}"] and picks[f"tn {rows}x{m}x{n}"] in onednn.LIBRARIES  # probed, kept
-    with pytest.raises(ValueError, match=r"pin\('mkl'\): expected one of \('aten', 'onednn'\)"):
+    with pytest.raises(ValueError, match=r"pin\('mkl'\): expected one of \('aten', 'onednn', 'onednn-matmul'\)"):
         onednn.pin("mkl")
 
 
 @pytest.mark.parametrize("transposed", [False, True])  # the forward x @ w.T ("nt"); the input gradient g @ w ("nn")
-def test_linear_gemms_match_a_float64_reference_in_each_library(fresh_picks, transposed):
+def test_linear_gemms_match_a_float64_reference_in_each_library(fresh_picks, capfd, transposed):
     g = torch.Generator().manual_seed(5)
     x, w = torch.randn(2, 48, 384, generator=g), torch.randn(256, 384, generator=g) * 384**-0.5
     if transposed:  # g @ w with w stored (384, 256): passed as its transposed view, read as it lies
         w = torch.randn(384, 256, generator=g).t() * 384**-0.5
     want = (x.double() @ w.double().t()).float()
-    _in_each_pinned_library(lambda: onednn.gemm_nt(x, w), want)
+    _in_each_pinned_library(lambda: onednn.gemm_nt(x, w), want, capfd)
     torch.library.opcheck(onednn._linear_op, (x, w))
     onednn.pin(None)
     torch.testing.assert_close(onednn.gemm_nt(x, w), want, **TOL)
@@ -198,15 +216,16 @@ def test_a_linear_layer_picks_each_of_its_three_gemms_by_kind_and_shape(monkeypa
     assert saved == {onednn._machine(): onednn.choices()}
 
 
-def test_gemm_in_runs_the_library_it_names_and_refuses_others(fresh_picks):
+def test_gemm_in_runs_the_library_it_names_and_refuses_others(fresh_picks, capfd):
     g = torch.Generator().manual_seed(6)
     a, b = torch.randn(32, 96, generator=g), torch.randn(48, 96, generator=g)
     onednn.pin("aten")  # a pin (or a pick) does not change gemm_in's library
-    for library in onednn.LIBRARIES:
+    for library in onednn.LIBRARIES[: 3 if _float32_here() else 2]:
         for kind, want in (("nt", a.double() @ b.double().t()), ("tn", a.double().t() @ a.double())):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                got = onednn.gemm_in(library, kind, a, b if kind == "nt" else a)
-            _ran_only(prof, library)
+            operand = b if kind == "nt" else a
+            onednn.gemm_in(library, kind, a, operand)  # onednn-matmul's first call checks float32
+            got, ran = _ran(lambda: onednn.gemm_in(library, kind, a, operand), capfd)  # noqa: B023
+            assert ran == {library}, (library, kind, ran)
             torch.testing.assert_close(got, want.float(), **TOL)
     with pytest.raises(ValueError, match=r"gemm_in\('mkl', 'nt'\): expected a library of"):
         onednn.gemm_in("mkl", "nt", a, b)
@@ -214,20 +233,23 @@ def test_gemm_in_runs_the_library_it_names_and_refuses_others(fresh_picks):
         onednn.gemm_in("aten", "nn", a, b)
 
 
-@pytest.mark.parametrize("slower, want", [("aten", "onednn"), ("onednn", "aten"), ("neither", "aten")])
-def test_probe_picks_the_faster_library_and_keeps_aten_on_a_tie(monkeypatch, fresh_picks, slower, want):
-    """The per-shape probe times both libraries on the operands: here one is slowed by 5 ms a call (far more
-    than either GEMM), so the faster is known; within MARGIN (a tie) aten::mm stays."""
+@pytest.mark.parametrize("fast, want", [("aten", "aten"), ("onednn", "onednn"), ("onednn-matmul", "onednn-matmul"),
+                                        ("all", "aten")])  # fmt: skip
+def test_probe_picks_the_fastest_library_and_keeps_aten_on_a_tie(monkeypatch, fresh_picks, fast, want):
+    """The per-shape probe times every library on the operands: here all but one are slowed by 5 ms a call (far
+    more than any GEMM), so the fastest is known; within MARGIN (a tie) aten::mm stays."""
+    run = onednn._run
 
-    def slowed(fn):
-        def run(*args):
+    def timed(kind, library, a, b):
+        if fast != library:
             time.sleep(0.005)
-            return fn(*args)
+        return run(kind, library, a, b)
 
-        return run
-
-    if slower != "neither":
-        monkeypatch.setattr(onednn, f"_tn_{slower}", slowed(getattr(onednn, f"_tn_{slower}")))
+    monkeypatch.setattr(onednn, "_float32", {})
+    monkeypatch.setattr(onednn, "_check_float32", lambda *_: True)  # a CPU without AMX, where it is float32
+    monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f"})
+    if fast != "all":
+        monkeypatch.setattr(onednn, "_run", timed)
     else:  # equal times: aten wins the tie
         monkeypatch.setattr(onednn, "time", types.SimpleNamespace(perf_counter=iter(range(1000)).__next__))
     g, x = torch.randn(8, 16), torch.randn(8, 4)  # g.T @ x: (16, 4)
@@ -260,7 +282,7 @@ def test_an_unreadable_cache_file_costs_a_probe_and_is_rewritten(monkeypatch, fr
     assert json.loads((fresh_picks / onednn.CACHE).read_text()) == {onednn._machine(): {"tn 8x16x4": "aten"}}
 
 
-def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(monkeypatch, fresh_picks):
+def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(monkeypatch, fresh_picks, capfd):
     """Another rank on the machine probed the same shape at the same time and recorded its pick first: this
     process runs that library too (its own probe's pick is dropped) and leaves the file as it was."""
     g, x = torch.randn(64, 256), torch.randn(64, 128)
@@ -271,9 +293,8 @@ def test_a_pick_another_process_recorded_during_the_probe_is_the_one_that_runs(m
         return "aten"
 
     monkeypatch.setattr(onednn, "_probe", probe)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        got = onednn.gemm_tn(g, x)
-    _ran_only(prof, "onednn")
+    got, ran = _ran(lambda: onednn.gemm_tn(g, x), capfd)
+    assert ran == {"onednn"}
     torch.testing.assert_close(got, (g.double().t() @ x.double()).float(), **TOL)
     assert onednn.choices() == {shape: "onednn"}
     assert json.loads((fresh_picks / onednn.CACHE).read_text()) == {onednn._machine(): {shape: "onednn"}}
@@ -306,9 +327,117 @@ def test_processes_probing_a_shape_at_once_all_run_the_first_recorded_pick(tmp_p
     so the ranks agree and a rerun repeats the first run bit for bit."""
     env = {**os.environ, "FTITAN_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _RANK, lib, str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for lib in onednn.LIBRARIES]  # fmt: skip
+                              stderr=subprocess.PIPE, text=True) for lib in ("aten", "onednn")]  # fmt: skip
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     ran = [out.strip() for out, _ in outs]
     saved = json.loads((tmp_path / onednn.CACHE).read_text())
     assert len(saved) == 1 and ran[0] == ran[1] == next(iter(saved.values()))["tn 64x256x128"], (ran, saved)
+
+
+BMM_EVENT = "ftitan_kernels::onednn_bmm"
+
+
+def _bmm_inputs(seed=7):
+    """(2, 3, 40, 64) @ (2, 3, 64, 24) with ``b`` a transposed view (attention's keys), and a cotangent."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(2, 3, 40, 64, generator=g)
+    b = (torch.randn(2, 3, 24, 64, generator=g) * 64**-0.5).mT
+    return a, b, torch.randn(2, 3, 40, 24, generator=g)
+
+
+def test_batched_matmul_and_its_gradients_match_float64_in_each_library(fresh_picks, capfd):
+    a, b, cot = _bmm_inputs()
+    want = _value_and_grads(torch.matmul, a.double(), b.double(), cot.double())
+    a3, b3 = a.reshape(6, 40, 64), b.reshape(6, 64, 24)  # the op's 3-D operands
+    _in_each_pinned_library(lambda: onednn._bmm_op(a3, b3), want[0].float().reshape(6, 40, 24), capfd, batched=True)
+    torch.library.opcheck(onednn._bmm_op, (a3, b3))
+    onednn.pin(None)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = _value_and_grads(onednn.matmul, a, b, cot)
+    assert {e.key: e.count for e in prof.key_averages()}[BMM_EVENT] == 3  # the product and both gradients
+    torch.testing.assert_close(got, [t.float() for t in want], **TOL)
+    # probed per shape and layout: the forward reads b transposed, the gradients g @ b.T and a.T @ g
+    assert set(onednn.choices()) == {"bmm-nt 6x40x64x24", "bmm-nn 6x40x24x64", "bmm-tn 6x64x40x24"}
+    assert set(onednn.choices().values()) <= {"aten", "onednn-matmul"}  # no batched inner product
+
+
+def test_batched_matmul_compiles_and_steps_aside_under_transforms(monkeypatch):
+    a, b, cot = _bmm_inputs(seed=8)
+    want = [t.float() for t in _value_and_grads(torch.matmul, a.double(), b.double(), cot.double())]
+    before = torch._dynamo.config.trace_autograd_ops
+    torch._dynamo.config.trace_autograd_ops = True
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda a, b, cot: _value_and_grads(onednn.matmul, a, b, cot), fullgraph=True)
+        compiled(a, b, cot)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            got = compiled(a, b, cot)
+    finally:
+        torch._dynamo.config.trace_autograd_ops = before
+        torch._dynamo.reset()
+    assert {e.key: e.count for e in prof.key_averages()}[BMM_EVENT] == 3  # from inductor's code
+    torch.testing.assert_close(got, want, **TOL)
+    spy = Spy(monkeypatch, onednn, ("_bmm_op",))
+    assert torch.equal(torch.func.grad(lambda a: (onednn.matmul(a, b) * cot).sum())(a),
+                       torch.func.grad(lambda a: (torch.matmul(a, b) * cot).sum())(a))  # fmt: skip
+    _, tangent = torch.func.jvp(lambda b: onednn.matmul(a, b), (b,), (b.flip(0),))
+    assert torch.equal(tangent, torch.func.jvp(lambda b: torch.matmul(a, b), (b,), (b.flip(0),))[1])
+    assert torch.equal(onednn.matmul(a.bfloat16(), b.bfloat16()), torch.matmul(a.bfloat16(), b.bfloat16()))
+    assert spy.total() == 0  # plain torch.matmul under transforms and for bfloat16
+
+
+def test_onednn_matmul_runs_only_where_it_computes_float32(monkeypatch, fresh_picks):
+    """Torch reaches oneDNN's matmul for float32 operands only under a setting that lets oneDNN round them to
+    bfloat16 (it does on AMX): the check finds a library that does (operands rounded here), which is then never
+    probed, and its pin refuses the shape; a plain float32 GEMM passes the check. On an AMX CPU the pin is
+    refused outright."""
+    g, x = torch.randn(64, 96), torch.randn(64, 48)
+    run = onednn._run
+
+    def rounding(kind, library, a, b):  # "onednn-matmul" as oneDNN runs it on AMX: bfloat16 operands
+        if library == "onednn-matmul":
+            return run(kind, "aten", a.bfloat16().float(), b.bfloat16().float())
+        return run(kind, library, a, b)
+
+    def plain(kind, library, a, b):
+        return run(kind, "aten" if library == "onednn-matmul" else library, a, b)
+
+    monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f avx512_bf16"})
+    monkeypatch.setattr(onednn, "_run", plain)
+    assert onednn._check_float32("tn", g, x)
+    monkeypatch.setattr(onednn, "_run", rounding)
+    assert not onednn._check_float32("tn", g, x)
+    monkeypatch.setattr(onednn, "_float32", {})
+    assert onednn._candidates("tn", g, x) == ["aten", "onednn"]
+    assert onednn._candidates("bmm", g.t()[None], x[None]) == ["aten"]  # nor the inner product: it has no batch
+    onednn.pin("onednn-matmul")
+    with pytest.raises(RuntimeError, match=r"does not compute tn 64x96x48 in float32 on this machine"):
+        onednn.gemm_tn(g, x)
+    onednn.pin(None)
+    monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f amx_bf16 amx_tile"})
+    monkeypatch.setattr(onednn, "_float32", {})
+    with pytest.raises(ValueError, match=r"pin\('onednn-matmul'\): this CPU has AMX"):
+        onednn.pin("onednn-matmul")
+    assert not onednn.float32_exact("tn", g, x)  # never checked there
+
+
+def test_the_cpu_attention_runs_its_gemms_here_with_kernels(fresh_picks):
+    """``nn.attention(impl="gemm")`` with ``kernels="triton"``: its block GEMMs (two per block forward, four
+    backward) run the batched op, with the values and gradients of ``kernels="torch"``'s ``torch.matmul``."""
+    from ftitan import nn
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 128, h, 32, generator=g) for h in (4, 2, 2))
+    cot = torch.randn(2, 128, 4, 32, generator=g)
+
+    def run(kernels):
+        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = nn.attention(*qkv, impl="gemm", kernels=kernels)
+        return [out.detach(), *torch.autograd.grad((out * cot).sum(), qkv)]
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = run("triton")
+    blocks = 128 // nn.attention.__globals__["GEMM_BLOCK"]
+    assert {e.key: e.count for e in prof.key_averages()}.get(BMM_EVENT) == 6 * blocks
+    torch.testing.assert_close(got, run("torch"), **TOL)

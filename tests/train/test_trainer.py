@@ -128,11 +128,13 @@ def test_compiled_reruns_are_bit_identical(tmp_path):
     assert len(losses[0]) == 4 and losses[0] == losses[1] == losses[2]
 
 
-@pytest.mark.parametrize("library", ["aten", "onednn", "auto"])
+@pytest.mark.parametrize("library", ["aten", "onednn", "onednn-matmul", "auto"])
 def test_gemm_library_pins_every_linear_gemm_of_the_run(tiny_run_cfg, monkeypatch, library):
-    """``--gemm-library aten|onednn`` runs every GEMM of ``ftitan.kernels.onednn`` in that library (the linear
-    layers' with ``--kernels triton``, oneDNN's size floors lifted for the tiny model); "auto" the per-shape
-    pick (no pin: each kind's picks, probed or read from the cache file, are listed)."""
+    """``--gemm-library aten|onednn|onednn-matmul`` runs every GEMM of ``ftitan.kernels.onednn`` in that library
+    (the linear layers' with ``--kernels triton``, oneDNN's size floors lifted for the tiny model; an "onednn"
+    pin's batched attention GEMMs are aten's, its ``_run`` called with the pin); "auto" the per-shape pick (no
+    pin: each kind's picks, probed or read from the cache file, are listed). On an AMX CPU the "onednn-matmul"
+    pin is refused."""
     import attrs
 
     from ftitan.kernels import onednn
@@ -145,10 +147,17 @@ def test_gemm_library_pins_every_linear_gemm_of_the_run(tiny_run_cfg, monkeypatc
     ran = []
     real = onednn._run
     monkeypatch.setattr(onednn, "_run", lambda kind, lib, a, b: ran.append(lib) or real(kind, lib, a, b))
-    train(attrs.evolve(tiny_run_cfg, steps=2, eval_every=0, kernels="triton", gemm_library=library), progress=False)
+    cfg = attrs.evolve(tiny_run_cfg, steps=2, eval_every=0, kernels="triton", gemm_library=library)
+    if library == "onednn-matmul" and "amx_bf16" in onednn._cpu().get("flags", "").split():
+        with pytest.raises(ValueError, match="this CPU has AMX"):
+            train(cfg, progress=False)
+        return
+    train(cfg, progress=False)
     assert ran, "no GEMM ran through ftitan.kernels.onednn"
     if library == "auto":
-        assert onednn._pinned is None and {k.split()[0] for k in onednn.choices()} == {"nt", "nn", "tn"}
+        kinds = {k.split()[0] for k in onednn.choices()}
+        assert onednn._pinned is None and {"nt", "nn", "tn"} <= kinds <= {"nt", "nn", "tn", "bmm-nn", "bmm-nt",
+                                                                           "bmm-tn"}  # fmt: skip
         assert set(ran) <= set(onednn.LIBRARIES)
     else:
         assert set(ran) == {library} and onednn.choices() == {"pinned": library}
