@@ -181,7 +181,7 @@ def attention(
         q, k = apply_rope_qk(q, k, cos, sin)
     else:
         q, k = nn.apply_rope(q, cos, sin), nn.apply_rope(k, cos, sin)
-    o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5)
+    o = attend(q, k, v, impl=cfg.attn_impl, causal=True, scale=cfg.head_dim**-0.5, kernels=cfg.kernels)
     return par.row_output(nn.linear(o.reshape(b, t, -1), p["wo"], invariant=inv, kernels=kern, float8=f8))
 
 
@@ -312,7 +312,9 @@ class _LayerCache:
     def __init__(self, cache: Any, layer: int) -> None:
         self.cache, self.layer = cache, layer
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: str = "torch",
+                 **kwargs: Any) -> torch.Tensor:  # fmt: skip
+        # a cache attends over its slots under a mask, never nn.attention's "gemm" path (kernels' only reader)
         o, self.cache = self.cache.attend(self.layer, q, k, v, **kwargs)
         return o
 

@@ -70,6 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ftitan.kernels import onednn
 from ftitan.kernels.autodiff import plain_reverse_mode
 from ftitan.nn import flex, invariant
 
@@ -147,6 +148,7 @@ def attention(
     window: int | None = None,  # sliding window: each query sees its `window` most recent keys, itself included
     segments: torch.Tensor | None = None,  # (B, T) int document ids of packed rows (with causal, T == S)
     prefix: int | torch.Tensor | None = None,  # prefix-LM: int | (B,) int prefix lengths (with causal)
+    kernels: str = "torch",  # a model config's kernels: not "torch": "gemm"'s GEMMs by ftitan.kernels.onednn
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Attention of ``H`` query heads over ``KV`` key/value heads (``H % KV == 0``).
 
@@ -186,7 +188,8 @@ def attention(
         else:
             impl = "gemm" if q.device.type == "cpu" else "sdpa"
     if impl == "gemm" and prefix is None and gemm_applies(q, k, causal=causal, mask=mask, window=window):
-        return _gemm(q, k, v, scale=scale, window=window, segments=segments)  # windows and documents refine causal
+        # windows and documents refine causal
+        return _gemm(q, k, v, scale=scale, window=window, segments=segments, kernels=kernels)
     if impl == "flex" or segments is not None or prefix is not None:
         m = flex.mask_of(b, t, s, causal=causal, mask=mask, window=window, segments=segments, prefix=prefix)
         if impl == "flex" and flex.runs(q, k, v):
@@ -319,17 +322,20 @@ def _gemm(
     scale: float,
     window: int | None = None,
     segments: torch.Tensor | None = None,  # (B, T) document ids
+    kernels: str = "torch",
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Causal attention, ``T == S``, one query block of :data:`GEMM_BLOCK` at a time against the keys it
     can see: those up to its last query and, with a ``window``, from its first query's oldest key on
     (keys outside that span are never multiplied). Two batched GEMMs per block (query heads grouped by the
     kv head they read, so K and V are never repeated) around a float32 softmax masked where the causal
     rule, the window or the documents (``segments``, compared per row) hide a key. Every query sees
-    itself, so no row is empty."""
+    itself, so no row is empty. ``kernels`` other than "torch": the GEMMs by ``ftitan.kernels.onednn.matmul``
+    (each in the faster library for its shape on the CPU: aten::bmm or oneDNN's matmul)."""
     b, t, h, dh = q.shape
+    matmul = _matmul(kernels)
     if _banded(t, window):
         assert window is not None
-        return _gemm_banded(q, k, v, scale=scale, window=window, segments=segments)
+        return _gemm_banded(q, k, v, scale=scale, window=window, segments=segments, matmul=matmul)
     kv, dv = k.shape[2], v.shape[3]
     g = h // kv
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -341,13 +347,18 @@ def _gemm(
         e = min(i + GEMM_BLOCK, t)  # queries i..e-1 see keys lo..e-1 at most
         lo = 0 if window is None else max(0, i - window + 1)
         n, m = e - i, e - lo
-        scores = torch.matmul(qh[:, :, :, i:e].reshape(b, kv, g * n, dh), kt[..., lo:e]).view(b, kv, g, n, m)
+        scores = matmul(qh[:, :, :, i:e].reshape(b, kv, g * n, dh), kt[..., lo:e]).view(b, kv, g, n, m)
         seen = _span_mask(n, m, window, device=q.device)  # the block's queries are its span's last n keys
         if segments is not None:  # (B, n, m): the same document
             seen = (seen & (segments[:, i:e, None] == segments[:, None, lo:e]))[:, None, None]
         probs = (scores.to(acc) * scale).masked_fill(~seen, float("-inf")).softmax(dim=-1).to(v.dtype)
-        outs.append(torch.matmul(probs.view(b, kv, g * n, m), vh[:, :, lo:e]).view(b, kv, g, n, dv))
+        outs.append(matmul(probs.view(b, kv, g * n, m), vh[:, :, lo:e]).view(b, kv, g, n, dv))
     return torch.cat(outs, dim=3).permute(0, 3, 1, 2, 4).reshape(b, t, h, dv)
+
+
+def _matmul(kernels: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``torch.matmul``, or with ``kernels`` other than "torch" ``ftitan.kernels.onednn.matmul``."""
+    return torch.matmul if kernels == "torch" else onednn.matmul
 
 
 def _span_mask(n: int, m: int, window: int | None, *, device: torch.device) -> torch.Tensor:  # (n, m) bool
@@ -365,6 +376,7 @@ def _gemm_banded(
     scale: float,
     window: int,
     segments: torch.Tensor | None = None,  # (B, T) document ids
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = torch.matmul,
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """Sliding-window causal attention, every block of :data:`GEMM_BLOCK` queries at once: the row is padded
     to whole blocks (and by ``window - 1`` keys in front), K and V are unfolded into each block's span of
@@ -382,7 +394,7 @@ def _gemm_banded(
     qb = F.pad(q, (0, 0, 0, 0, 0, back)).reshape(b, nb, n, kv, g, dh).permute(0, 3, 1, 4, 2, 5)
     ks = F.pad(k, (0, 0, 0, 0, front, back)).unfold(1, m, n).permute(0, 2, 1, 3, 4)  # (B, KV, nb, Dh, m)
     vs = F.pad(v, (0, 0, 0, 0, front, back)).unfold(1, m, n).permute(0, 2, 1, 4, 3)  # (B, KV, nb, m, Dv)
-    scores = torch.matmul(qb.reshape(b, kv, nb, g * n, dh), ks).view(b, kv, nb, g, n, m)
+    scores = matmul(qb.reshape(b, kv, nb, g * n, dh), ks).view(b, kv, nb, g, n, m)
     # block j's queries are the last n keys of its span, whose key c sits at j n - (window - 1) + c
     c, j = torch.arange(m, device=q.device), torch.arange(nb, device=q.device)[:, None, None]
     seen = _span_mask(n, m, window, device=q.device) & (j * n - front + c >= 0)  # (nb, n, m): not front padding
@@ -393,7 +405,7 @@ def _gemm_banded(
     else:
         seen = seen[:, None]  # (nb, 1, n, m)
     probs = (scores.to(acc) * scale).masked_fill(~seen, float("-inf")).softmax(dim=-1).to(v.dtype)
-    out = torch.matmul(probs.view(b, kv, nb, g * n, m), vs).view(b, kv, nb, g, n, dv)
+    out = matmul(probs.view(b, kv, nb, g * n, m), vs).view(b, kv, nb, g, n, dv)
     return out.permute(0, 2, 4, 1, 3, 5).reshape(b, nb * n, h, dv)[:, :t]
 
 

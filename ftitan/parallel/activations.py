@@ -172,6 +172,7 @@ def attention(
     scale: float | None = None,
     segments: torch.Tensor | None = None,  # (B, T) int document ids of this rank's tokens (packed rows)
     window: int | None = None,  # sliding window: each query sees its `window` most recent keys (nn.attention)
+    kernels: str = "torch",  # the model config's (nn.attention's)
 ) -> torch.Tensor:  # (B, T, H, Dv)
     """``nn.attention``; under context parallelism each rank's queries attend over the all-gathered
     keys/values of every cp rank, masked by true positions (head-tail chunks, :func:`cp_positions`).
@@ -183,7 +184,8 @@ def attention(
         raise ValueError("attention: segments (packed documents) come with causal=True")
     if layout is None or layout.sizes["cp"] == 1:
         # segments as such: FlexAttention builds its block mask from them (the others materialize it)
-        return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale, window=window, segments=segments)
+        return nn.attention(q, k, v, impl=impl, causal=causal, scale=scale, window=window, segments=segments,
+                            kernels=kernels)  # fmt: skip
     if window is not None and (not causal or not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"attention: window={window!r} under context parallelism needs causal=True and an int >= 1")
     cp, group = layout.sizes["cp"], layout.group("cp")
@@ -200,7 +202,7 @@ def attention(
         if segments is not None:  # the keys' document ids, in the same rank order as the keys
             k_seg = C.all_gather(segments, group, dim=1)  # (B, T)
             mask = mask[None] & (segments[:, :, None] == k_seg[:, None, :])  # (B, T_local, T)
-    return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=mask)
+    return nn.attention(q, k, v, impl=impl, causal=False, scale=scale, mask=mask, kernels=kernels)
 
 
 def local_positions(t_local: int, *, device: torch.device | str | None = None) -> torch.Tensor:  # (T_local,)
