@@ -422,22 +422,23 @@ def test_onednn_matmul_runs_only_where_it_computes_float32(monkeypatch, fresh_pi
     assert not onednn.float32_exact("tn", g, x)  # never checked there
 
 
-def test_the_cpu_attention_runs_its_gemms_here_with_kernels(fresh_picks):
-    """``nn.attention(impl="gemm")`` with ``kernels="triton"``: its block GEMMs (two per block forward, four
-    backward) run the batched op, with the values and gradients of ``kernels="torch"``'s ``torch.matmul``."""
+@pytest.mark.parametrize("t, window, calls", [(128, None, 12), (1088, 64, 6)])  # 2 query blocks; bands
+def test_the_cpu_attention_runs_its_gemms_here_with_kernels(fresh_picks, t, window, calls):
+    """``nn.attention(impl="gemm")`` with ``kernels="triton"``: its GEMMs (two per query block forward and four
+    backward; a windowed row past ``GEMM_MAX_SEQ`` as bands: two and four in all) run the batched op, with the
+    values and gradients of ``kernels="torch"``'s ``torch.matmul``."""
     from ftitan import nn
 
     g = torch.Generator().manual_seed(9)
-    q, k, v = (torch.randn(2, 128, h, 32, generator=g) for h in (4, 2, 2))
-    cot = torch.randn(2, 128, 4, 32, generator=g)
+    q, k, v = (torch.randn(2, t, h, 32, generator=g) for h in (4, 2, 2))
+    cot = torch.randn(2, t, 4, 32, generator=g)
 
     def run(kernels):
-        qkv = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = nn.attention(*qkv, impl="gemm", kernels=kernels)
+        qkv = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = nn.attention(*qkv, impl="gemm", window=window, kernels=kernels)
         return [out.detach(), *torch.autograd.grad((out * cot).sum(), qkv)]
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         got = run("triton")
-    blocks = 128 // nn.attention.__globals__["GEMM_BLOCK"]
-    assert {e.key: e.count for e in prof.key_averages()}.get(BMM_EVENT) == 6 * blocks
+    assert {e.key: e.count for e in prof.key_averages()}.get(BMM_EVENT) == calls
     torch.testing.assert_close(got, run("torch"), **TOL)
