@@ -58,20 +58,26 @@ def test_linear_and_its_gradients_match_a_float64_reference(monkeypatch):
     torch.testing.assert_close(onednn.linear(x, w, b), F.linear(x.double(), w.double(), b.double()).float(), **TOL)
 
 
-def test_inductor_compiles_it_with_the_same_gradients():
-    x, w, cot = _inputs(seed=1)
+def _compiled_value_and_grads(fn, *args):
+    """``_value_and_grads(fn, *args)`` compiled with inductor (``fullgraph``; ``torch.autograd.grad`` traced, as
+    ft.train's autograd path does), its second call profiled: the values and the count of each op that ran."""
     before = torch._dynamo.config.trace_autograd_ops
-    torch._dynamo.config.trace_autograd_ops = True  # torch.autograd.grad traced, as ft.train's autograd path does
+    torch._dynamo.config.trace_autograd_ops = True
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(lambda x, w, cot: _value_and_grads(onednn.linear, x, w, cot), fullgraph=True)
-        compiled(x, w, cot)
+        compiled = torch.compile(lambda *args: _value_and_grads(fn, *args), fullgraph=True)
+        compiled(*args)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = compiled(x, w, cot)
+            got = compiled(*args)
     finally:
         torch._dynamo.config.trace_autograd_ops = before
         torch._dynamo.reset()
-    counts = {e.key: e.count for e in prof.key_averages()}
+    return got, {e.key: e.count for e in prof.key_averages()}
+
+
+def test_inductor_compiles_it_with_the_same_gradients():
+    x, w, cot = _inputs(seed=1)
+    got, counts = _compiled_value_and_grads(onednn.linear, x, w, cot)
     assert counts[OP_EVENT] == 2 and counts[TN_EVENT] == 1  # the ops ran from inductor's code
     torch.testing.assert_close(got, _reference(x, w, cot), **TOL)
 
@@ -365,18 +371,8 @@ def test_batched_matmul_and_its_gradients_match_float64_in_each_library(fresh_pi
 def test_batched_matmul_compiles_and_steps_aside_under_transforms(monkeypatch):
     a, b, cot = _bmm_inputs(seed=8)
     want = [t.float() for t in _value_and_grads(torch.matmul, a.double(), b.double(), cot.double())]
-    before = torch._dynamo.config.trace_autograd_ops
-    torch._dynamo.config.trace_autograd_ops = True
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(lambda a, b, cot: _value_and_grads(onednn.matmul, a, b, cot), fullgraph=True)
-        compiled(a, b, cot)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            got = compiled(a, b, cot)
-    finally:
-        torch._dynamo.config.trace_autograd_ops = before
-        torch._dynamo.reset()
-    assert {e.key: e.count for e in prof.key_averages()}[BMM_EVENT] == 3  # from inductor's code
+    got, counts = _compiled_value_and_grads(onednn.matmul, a, b, cot)
+    assert counts[BMM_EVENT] == 3  # from inductor's code
     torch.testing.assert_close(got, want, **TOL)
     spy = Spy(monkeypatch, onednn, ("_bmm_op",))
     assert torch.equal(torch.func.grad(lambda a: (onednn.matmul(a, b) * cot).sum())(a),
