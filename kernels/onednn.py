@@ -227,8 +227,9 @@ def float32_exact(kind: str, a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_float32(kind: str, a: torch.Tensor, b: torch.Tensor) -> bool:
     g = torch.Generator().manual_seed(0)
-    ra, rb = (torch.randn(t.untyped_storage().nbytes() // t.element_size(), generator=g)
-              .as_strided(t.shape, t.stride(), t.storage_offset()) for t in (a, b))  # fmt: skip
+    # random operands with a's and b's sizes and strides, over just the span of memory each one reads
+    ra, rb = (torch.randn(1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0,
+                          generator=g).as_strided(t.shape, t.stride()) for t in (a, b))  # fmt: skip
     want = _aten(kind, ra.double(), rb.double())
     if not want.numel():
         return True
