@@ -134,8 +134,9 @@ def pin(library: str | None) -> None:
     if library is not None and library not in LIBRARIES:
         raise ValueError(f"pin({library!r}): expected one of {LIBRARIES} or None")
     if library == "onednn-matmul" and "amx_bf16" in _cpu().get("flags", "").split():
-        raise ValueError("pin('onednn-matmul'): this CPU has AMX, where oneDNN's matmul rounds float32 operands to "
-                         "bfloat16 under the setting that reaches it; pin 'aten' or 'onednn'")
+        raise ValueError("pin('onednn-matmul') (--gemm-library onednn-matmul): this CPU has AMX, where oneDNN's "
+                         "matmul rounds float32 operands to bfloat16 under the setting that reaches it; use auto, aten "
+                         "or onednn")
     _pinned = library
 
 

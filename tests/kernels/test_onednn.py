@@ -413,7 +413,7 @@ def test_onednn_matmul_runs_only_where_it_computes_float32(monkeypatch, fresh_pi
     onednn.pin(None)
     monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f amx_bf16 amx_tile"})
     monkeypatch.setattr(onednn, "_float32", {})
-    with pytest.raises(ValueError, match=r"pin\('onednn-matmul'\): this CPU has AMX"):
+    with pytest.raises(ValueError, match=r"pin\('onednn-matmul'\) \(--gemm-library onednn-matmul\): this CPU has AMX"):
         onednn.pin("onednn-matmul")
     assert not onednn.float32_exact("tn", g, x)  # never checked there
 
