@@ -27,8 +27,8 @@ demo: install
 # of an AVX512 EPYC (2026-12-07), then 15.2 and 14.0 (1990 tests), 15.9 and 16.5 (2002-2003 tests; 17.0 for the
 # 1990-test head in the same, slower hour), 15.5 and 15.6 (2014 and 2025 tests); 13.6, 14.1, 13.8 and 14.0 (2036,
 # 2039 and 2041 tests) on 2 cores of an AMX Xeon (2026-12-07); 12.7, 11.5, 12.2, 12.1, 12.7 and 12.3 (2046, 2048,
-# 2050, 2052, 2057 and 2062 tests) on 2 cores of a Zen 5 EPYC (2026-12-07), 12.0 and 12.3 (2068, 2069 tests) there on 2026-12-08,
-# install included
+# 2050, 2052, 2057 and 2062 tests) on 2 cores of a Zen 5 EPYC (2026-12-07), 12.0 and 12.3 (2068, 2069 tests)
+# there on 2026-12-08, install included
 PYTEST := $(BIN)/python -m pytest -n 2
 
 test: install
