@@ -69,6 +69,7 @@ Zen 5 EPYC oneDNN ran ~2x faster.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -83,7 +84,7 @@ import torch.nn.functional as F
 from ftitan._cache import cache_root
 from ftitan.kernels import op
 
-__all__ = ["CACHE", "FP32_TOL", "LIBRARIES", "MARGIN", "MIN_FLOP", "MIN_WEIGHT", "available", "choices",
+__all__ = ["CACHE", "FP32_TOL", "LIBRARIES", "MARGIN", "MIN_FLOP", "MIN_WEIGHT", "available", "choices", "cpuinfo",
            "float32_exact", "gemm_in", "gemm_nt", "gemm_tn", "linear", "matmul", "pin", "usable"]
 
 MIN_WEIGHT = 1 << 18  # in * out elements: from here oneDNN won at every row count measured (1 to 1024 rows)
@@ -133,7 +134,7 @@ def pin(library: str | None) -> None:
     global _pinned
     if library is not None and library not in LIBRARIES:
         raise ValueError(f"pin({library!r}): expected one of {LIBRARIES} or None")
-    if library == "onednn-matmul" and "amx_bf16" in _cpu().get("flags", "").split():
+    if library == "onednn-matmul" and _amx():
         raise ValueError("pin('onednn-matmul') (--gemm-library onednn-matmul): this CPU has AMX, where oneDNN's "
                          "matmul rounds float32 operands to bfloat16 under the setting that reaches it; use auto, aten "
                          "or onednn")
@@ -200,14 +201,21 @@ def _aten(kind: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _tn_aten(a, b) if kind == "tn" else _nt_aten(a, b)
 
 
-def _cpu() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo ("model name", "flags", ...); empty where there is none."""
+@functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "flags", ...), read once; empty where there is
+    none. Also ``ftitan.bench.timing``'s (its ``cpu_flags`` and machine info)."""
     fields = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines():
             key, _, value = line.partition(":")
             fields[key.strip()] = value.strip()
     return fields
+
+
+def _amx() -> bool:
+    """Whether this CPU has AMX, where oneDNN's matmul rounds float32 operands to bfloat16 (:func:`float32_exact`)."""
+    return "amx_bf16" in cpuinfo().get("flags", "").split()
 
 
 _float32: dict[tuple[Any, ...], bool] = {}  # key -> whether "onednn-matmul" computes it in float32 here
@@ -222,7 +230,7 @@ def float32_exact(kind: str, a: torch.Tensor, b: torch.Tensor) -> bool:
     bfloat16 rounding's ~2e-3)."""
     key = _key(kind, a, b)
     if key not in _float32:
-        _float32[key] = "amx_bf16" not in _cpu().get("flags", "").split() and _check_float32(kind, a, b)
+        _float32[key] = not _amx() and _check_float32(kind, a, b)
     return _float32[key]
 
 
@@ -271,7 +279,7 @@ CACHE = "gemm_picks.json"  # under ftitan's cache root: {machine: {"kind rows x 
 def _machine() -> str:
     """What the picks depend on: the CPU (its name, family and model: virtual machines may show only "AMD
     EPYC" as the name), the thread count, torch."""
-    cpu = {"model name": platform.machine(), **_cpu()}
+    cpu = {"model name": platform.machine(), **cpuinfo()}
     name = cpu["model name"]
     if "cpu family" in cpu and "model" in cpu:
         name += f" (family {cpu['cpu family']}, model {cpu['model']})"

@@ -216,25 +216,15 @@ class GemmProbe:
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (e.g. ``avx512_bf16``, ``amx_bf16``); empty elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    from ftitan.kernels import onednn
+
+    return set(onednn.cpuinfo().get("flags", "").split())
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+    from ftitan.kernels import onednn
+
+    return onednn.cpuinfo().get("model name") or platform.processor() or platform.machine() or "unknown"
 
 
 def machine_info() -> dict[str, Any]:

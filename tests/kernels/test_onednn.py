@@ -153,7 +153,7 @@ def _ran(fn, capfd):
 
 def _float32_here() -> bool:
     """Whether this CPU can run "onednn-matmul" at all (no AMX: elsewhere oneDNN rounds to bfloat16 there)."""
-    return "amx_bf16" not in onednn._cpu().get("flags", "").split()
+    return not onednn._amx()
 
 
 def _in_each_pinned_library(gemm, want: torch.Tensor, capfd, *, batched: bool = False) -> None:
@@ -253,7 +253,7 @@ def test_probe_picks_the_fastest_library_and_keeps_aten_on_a_tie(monkeypatch, fr
 
     monkeypatch.setattr(onednn, "_float32", {})
     monkeypatch.setattr(onednn, "_check_float32", lambda *_: True)  # a CPU without AMX, where it is float32
-    monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f"})
+    monkeypatch.setattr(onednn, "cpuinfo", lambda: {"flags": "avx512f"})
     if fast != "all":
         monkeypatch.setattr(onednn, "_run", timed)
     else:  # equal times: aten wins the tie
@@ -399,7 +399,7 @@ def test_onednn_matmul_runs_only_where_it_computes_float32(monkeypatch, fresh_pi
     def plain(kind, library, a, b):
         return run(kind, "aten" if library == "onednn-matmul" else library, a, b)
 
-    monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f avx512_bf16"})
+    monkeypatch.setattr(onednn, "cpuinfo", lambda: {"flags": "avx512f avx512_bf16"})
     monkeypatch.setattr(onednn, "_run", plain)
     assert onednn._check_float32("tn", g, x)
     monkeypatch.setattr(onednn, "_run", rounding)
@@ -411,7 +411,7 @@ def test_onednn_matmul_runs_only_where_it_computes_float32(monkeypatch, fresh_pi
     with pytest.raises(RuntimeError, match=r"does not compute tn 64x96x48 in float32 on this machine"):
         onednn.gemm_tn(g, x)
     onednn.pin(None)
-    monkeypatch.setattr(onednn, "_cpu", lambda: {"flags": "avx512f amx_bf16 amx_tile"})
+    monkeypatch.setattr(onednn, "cpuinfo", lambda: {"flags": "avx512f amx_bf16 amx_tile"})
     monkeypatch.setattr(onednn, "_float32", {})
     with pytest.raises(ValueError, match=r"pin\('onednn-matmul'\) \(--gemm-library onednn-matmul\): this CPU has AMX"):
         onednn.pin("onednn-matmul")
