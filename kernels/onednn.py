@@ -124,13 +124,15 @@ LIBRARIES = ("aten", "onednn", "onednn-matmul")
 MARGIN = 1.05  # a oneDNN library must be this much faster than aten::mm to run a shape (ties keep aten)
 FP32_TOL = 1e-4  # "onednn-matmul" runs a shape only where its error is float32's (~1e-6; bf16's is ~2e-3)
 _PROBE_CALLS = 3  # timed calls per library (after one untimed), medians compared
-_choice: dict[tuple[str, int, int, int], str] = {}  # (kind, rows, m, n) -> library, this process's picks
+_choice: dict[tuple[Any, ...], str] = {}  # _key (kind and sizes) -> library: this process's picks
 _pinned: str | None = None
 
 
 def pin(library: str | None) -> None:
-    """Run every GEMM of this module (:func:`linear`'s three, :func:`gemm_nt`, :func:`gemm_tn`) in
-    ``library`` (one of :data:`LIBRARIES`); ``None``: back to the per-shape pick."""
+    """Run every GEMM of this module (:func:`linear`'s three, :func:`gemm_nt`, :func:`gemm_tn`, :func:`matmul`'s)
+    in ``library`` (one of :data:`LIBRARIES`; an "onednn" pin runs the batched ones in aten: the inner product
+    has no batch); ``None``: back to the per-shape pick. "onednn-matmul" is refused on an AMX CPU, and raises
+    on a shape it does not compute in float32 (:func:`float32_exact`)."""
     global _pinned
     if library is not None and library not in LIBRARIES:
         raise ValueError(f"pin({library!r}): expected one of {LIBRARIES} or None")
@@ -145,7 +147,8 @@ def choices() -> dict[str, str]:
     """The library each GEMM shape this process ran takes (probed, or read from the cache file), as
     ``{"kind rows x m x n": library}``: kind "nt" ``x @ w.T`` (``x`` rows x m, ``w`` n x m as stored: a
     forward), "nn" ``x @ w`` (``w`` m x n as stored: an input gradient), "tn" ``g.T @ x`` (``g`` rows x m,
-    ``x`` rows x n: a weight gradient); the pinned library, if any, as ``{"pinned": library}``."""
+    ``x`` rows x n: a weight gradient), and :func:`matmul`'s "bmm-ab batch x m x k x n" (``a`` and ``b`` read
+    as stored, "n", or transposed, "t"); the pinned library, if any, as ``{"pinned": library}``."""
     picks = {_label(k): v for k, v in sorted(_choice.items())}
     return picks | ({"pinned": _pinned} if _pinned else {})
 
@@ -316,7 +319,7 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _settle(shape: str, library: str, usable: Callable[[Any], bool] = LIBRARIES.__contains__) -> str:
+def _settle(shape: str, library: str, usable: Callable[[Any], bool]) -> str:
     """A probe's pick for ``shape``, settled with the cache file under its lock: if another process on this
     machine (another rank of the same run) recorded a pick for the shape meanwhile, that one is returned and
     run here too, else ``library`` is recorded (read, merge, write a temporary file, rename: a reader never
@@ -377,7 +380,7 @@ _linear_op = op.define("onednn_linear", "(Tensor x, Tensor w) -> Tensor", _linea
 
 
 def gemm_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in the faster library for its shape (see the module docstring), without a derivative: for
+    """``x @ w.T`` in the fastest library for its shape (see the module docstring), without a derivative: for
     code that forms its gradients itself (the fused cross-entropy's forward). ``w`` may be a transposed view
     (``g @ m`` is ``gemm_nt(g, m.t())``)."""
     return _linear_op(x, w)
@@ -397,10 +400,10 @@ _tn_op = op.define("gemm_tn", "(Tensor g, Tensor x) -> Tensor", _gemm_tn_impl, _
 def gemm_tn(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``g.T @ x`` for 2-D float32 CPU tensors with the same rows (a weight gradient: ``g`` the output
     gradient, ``x`` the input), without a derivative, in the library the module docstring's "Which library"
-    picks for the shape; ``aten::mm`` where oneDNN is missing. Both operands are taken as they lie: the
-    probe then times oneDNN with the dense copy it needs (a ``g.T`` made in the caller's graph instead, which
-    inductor fused into ``g``'s producer as a slow transposed store, was no faster: 0.502-0.517 against
-    0.511-0.543 s a step, Zen 5, three processes each)."""
+    picks for the shape; ``aten::mm`` where oneDNN is missing. Both operands are taken as they lie: aten and
+    oneDNN's matmul read them so, and the probe times the inner product with the dense copy it needs (a
+    ``g.T`` made in the caller's graph instead, which inductor fused into ``g``'s producer as a slow transposed
+    store, was no faster: 0.502-0.517 against 0.511-0.543 s a step, Zen 5, three processes each)."""
     if not available():
         return g.t() @ x
     return _tn_op(g, x)
@@ -442,24 +445,25 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     shape and layout (kinds "bmm-nn" ...: :func:`choices`) where the operands are plain float32 CPU tensors and
     no ``torch.func`` transform runs; ``torch.matmul`` elsewhere. The CPU attention's GEMMs
     (``nn.attention(impl="gemm")`` with ``kernels`` other than "torch") run here."""
-    usable = (available() and op.no_transform() and op.plain(a, b) and a.dim() == b.dim() >= 3
-              and a.shape[:-2] == b.shape[:-2] and a.shape[-1] == b.shape[-2]
-              and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (a, b)))  # fmt: skip
-    if not usable:
+    if not (_eligible(a, b) and a.dim() == b.dim() >= 3 and a.shape[:-2] == b.shape[:-2]
+            and a.shape[-1] == b.shape[-2]):  # fmt: skip
         return torch.matmul(a, b)
     out = _BMM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
     return out.view(*a.shape[:-2], *out.shape[-2:])
+
+
+def _eligible(*tensors: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """What :func:`linear` and :func:`matmul` need to run this module's ops: oneDNN in this torch, no ``torch.func``
+    transform or forward-AD level, plain float32 CPU tensors (``dtype``: the one they are cast to first)."""
+    return (available() and op.no_transform() and op.plain(*tensors)
+            and all(t.device.type == "cpu" and (dtype or t.dtype) == torch.float32 for t in tensors))  # fmt: skip
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, *, dtype: torch.dtype | None = None) -> bool:
     """True where :func:`linear` runs its GEMMs through this module's ops (each in the library picked for its
     shape) rather than ``F.linear``: see the module docstring's "Where". ``dtype``:
     the one the GEMM runs in when the caller casts ``x`` and ``w`` to it first (default theirs)."""
-    if not (available() and op.no_transform()):
-        return False
-    if not (op.plain(x, w) and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1]):
-        return False
-    if not all(t.device.type == "cpu" and (dtype or t.dtype) == torch.float32 for t in (x, w)):
+    if not (_eligible(x, w, dtype=dtype) and w.dim() == 2 and x.dim() >= 1 and x.shape[-1] == w.shape[1]):
         return False
     rows = x.numel() // max(x.shape[-1], 1)
     return w.numel() >= MIN_WEIGHT or 2 * rows * w.numel() >= MIN_FLOP
@@ -491,7 +495,7 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + b`` (``F.linear``), the GEMMs in the faster library for each shape where :func:`usable`
+    """``x @ w.T + b`` (``F.linear``), the GEMMs in the fastest library for each shape where :func:`usable`
     holds."""
     if not usable(x, w):
         return F.linear(x, w, b)
