@@ -415,7 +415,10 @@ def test_onednn_matmul_runs_only_where_it_computes_float32(monkeypatch, fresh_pi
     monkeypatch.setattr(onednn, "_float32", {})
     with pytest.raises(ValueError, match=r"pin\('onednn-matmul'\) \(--gemm-library onednn-matmul\): this CPU has AMX"):
         onednn.pin("onednn-matmul")
-    assert not onednn.float32_exact("tn", g, x)  # never checked there
+    monkeypatch.setattr(onednn, "_run", plain)  # a check would pass now: on AMX it must not run at all
+    monkeypatch.setattr(onednn, "_check_float32", lambda *_: pytest.fail("checked a product on an AMX CPU"))
+    assert not onednn.float32_exact("tn", g, x)
+    assert onednn._candidates("tn", g, x) == ["aten", "onednn"]
 
 
 @pytest.mark.parametrize("t, window, calls", [(128, None, 12), (1088, 64, 6)])  # 2 query blocks; bands
