@@ -17,6 +17,7 @@ import torch
 
 from ftitan.config.schema import TrainConfig
 from ftitan.config.transforms import model_error, with_float8
+from ftitan.kernels import onednn
 from ftitan.kernels.op import KERNELS
 
 __all__ = ["MIN_VOCAB", "OPTIMIZERS", "SCHEDULES", "validate"]
@@ -181,7 +182,7 @@ def _check_data(cfg: TrainConfig) -> None:
 
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
-GEMM_LIBRARIES: tuple[str, ...] = ("auto", "aten", "onednn", "onednn-matmul")  # --gemm-library (kernels.onednn.pin)
+GEMM_LIBRARIES: tuple[str, ...] = ("auto", *onednn.LIBRARIES)  # --gemm-library (ftitan.kernels.onednn.pin)
 
 
 def _check_compile_and_remat(cfg: TrainConfig) -> None:
