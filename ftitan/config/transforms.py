@@ -90,9 +90,9 @@ def with_attn_impl(impl: str) -> ModelTransform:
 
 def with_kernels(name: str) -> ModelTransform:
     """Transform choosing the model's kernels: "torch" (plain ops), "triton" (``ftitan.kernels``: RMSNorm,
-    SwiGLU, RoPE, ... as Triton kernels on CUDA, their references elsewhere; on the CPU the linear layers'
-    float32 GEMMs in oneDNN or MKL, the faster per shape, ``ftitan.kernels.onednn``; docs/kernels.md) or
-    "helion" (Helion's kernels where ftitan has one, Triton's otherwise)."""
+    SwiGLU, RoPE, ... as Triton kernels on CUDA, their references elsewhere; on the CPU the linear layers' and
+    the gemm attention's float32 GEMMs in MKL or oneDNN, the fastest per shape, ``ftitan.kernels.onednn``;
+    docs/kernels.md) or "helion" (Helion's kernels where ftitan has one, Triton's otherwise)."""
     from ftitan.kernels.op import check_kernels
 
     check_kernels(name, "--kernels")

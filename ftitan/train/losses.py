@@ -105,7 +105,7 @@ def _fused_forward(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chun
                    cap: float | None, onednn_gemms: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``_LinearCrossEntropy``'s forward: the loss and both gradients, chunk by chunk; ``onednn_gemms``: the
     logits and ``grad_h`` GEMMs by ``ftitan.kernels.onednn``'s ``gemm_nt``, ``grad_w``'s by its ``gemm_tn`` (each in
-    oneDNN or MKL, whichever is faster for the shape)."""
+    the library ``ftitan.kernels.onednn`` picks for the shape)."""
     w32 = w.to(_acc_dtype(w))
     total = torch.zeros((), dtype=w32.dtype, device=h.device)
     grad_h = torch.empty_like(h)
@@ -194,7 +194,7 @@ def chunked_cross_entropy(
     ``kernels="triton"`` (a model config's ``kernels``): with ``fused``, the Triton kernel
     ``ftitan.kernels.linear_cross_entropy`` (``(BLOCK_N, BLOCK_V)`` tiles, forward and backward) wherever
     ``ftitan.kernels.op.use_kernel`` holds (CUDA, no ``torch.func`` transform); elsewhere the paths above,
-    the fused one with its GEMMs in oneDNN or MKL on the CPU, the faster per shape (``ftitan.kernels.onednn``).
+    the fused one with its GEMMs in MKL or oneDNN on the CPU, the fastest per shape (``ftitan.kernels.onednn``).
     """
     if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
         raise ValueError(f"chunked_cross_entropy: expected h (N, D) and w (V, D), got {tuple(h.shape)} and {tuple(w.shape)}")

@@ -312,8 +312,8 @@ def setup(cfg: ParallelConfig, *, device: str = "auto", malloc_retain: bool = Fa
     """The runtime for this process: its device, and the torchrun world (``WORLD_SIZE`` > 1) it joins.
     ``malloc_retain`` (``--malloc-retain``): on a CPU device the process keeps the host memory a step frees
     for the next step (:func:`ftitan.train.memory.retain_freed_memory`). ``gemm_library``
-    (``--gemm-library``): "auto", the per-shape pick of ``ftitan.kernels.onednn``, or "aten" / "onednn" for
-    every GEMM of the process (``onednn.pin``).
+    (``--gemm-library``): "auto", the per-shape pick of ``ftitan.kernels.onednn``, or "aten", "onednn" or
+    "onednn-matmul" for every GEMM of the process (``onednn.pin``; "onednn-matmul" refused on an AMX CPU).
 
     Fails before any work when the degrees' product differs from the world size, or the device or
     backend is not available here. Joining the world and each collective wait at most
