@@ -151,17 +151,12 @@ def _ran(fn, capfd):
     return out, ran | ({"onednn-matmul"} if matmuls else set()) | ({"aten"} if aten > matmuls else set())
 
 
-def _float32_here() -> bool:
-    """Whether this CPU can run "onednn-matmul" at all (no AMX: elsewhere oneDNN rounds to bfloat16 there)."""
-    return not onednn._amx()
-
-
 def _in_each_pinned_library(gemm, want: torch.Tensor, capfd, *, batched: bool = False) -> None:
     """``gemm()`` with each library pinned: that library alone ran, and a dense result equal to ``want``
     (``batched``: oneDNN's inner product has no batch, so its pin runs aten's). On a CPU with AMX the
     "onednn-matmul" pin is refused."""
     for library in onednn.LIBRARIES:
-        if library == "onednn-matmul" and not _float32_here():
+        if library == "onednn-matmul" and onednn._amx():
             with pytest.raises(ValueError, match="this CPU has AMX"):
                 onednn.pin(library)
             continue
@@ -179,7 +174,7 @@ def test_weight_gradient_gemm_matches_a_float64_reference_in_each_library(fresh_
     gr, x = torch.randn(rows, m, generator=g) * rows**-0.5, torch.randn(rows, n, generator=g)  # sums ~ 1
     want = (gr.double().t() @ x.double()).float()
     _in_each_pinned_library(lambda: onednn.gemm_tn(gr, x), want, capfd)
-    assert onednn.choices() == {"pinned": onednn.LIBRARIES[-1 if _float32_here() else -2]}
+    assert onednn.choices() == {"pinned": onednn.LIBRARIES[-2 if onednn._amx() else -1]}
     torch.library.opcheck(onednn._tn_op, (gr, x))  # the fake's shape and layout are the op's
     onednn.pin(None)
     torch.testing.assert_close(onednn.gemm_tn(gr, x), want, **TOL)
@@ -226,7 +221,7 @@ def test_gemm_in_runs_the_library_it_names_and_refuses_others(fresh_picks, capfd
     g = torch.Generator().manual_seed(6)
     a, b = torch.randn(32, 96, generator=g), torch.randn(48, 96, generator=g)
     onednn.pin("aten")  # a pin (or a pick) does not change gemm_in's library
-    for library in onednn.LIBRARIES[: 3 if _float32_here() else 2]:
+    for library in onednn.LIBRARIES[: 2 if onednn._amx() else 3]:
         for kind, want in (("nt", a.double() @ b.double().t()), ("tn", a.double().t() @ a.double())):
             operand = b if kind == "nt" else a
             onednn.gemm_in(library, kind, a, operand)  # onednn-matmul's first call checks float32
